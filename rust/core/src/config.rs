@@ -1,0 +1,159 @@
+//! Engine configuration: one struct per component, each validated once at start-up.
+//! Names and defaults follow vLLM v1's `CacheConfig` / `SchedulerConfig`.
+
+use crate::error::{CoreError, CoreResult};
+
+/// How waiting requests are ordered and which running request is preempted first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum SchedulingPolicy {
+    /// First come, first served; the most recently admitted running request is preempted.
+    #[default]
+    Fcfs,
+    /// Lowest `priority` value first, arrival order breaking ties; the running request with the
+    /// largest (priority, arrival) is preempted.
+    Priority,
+}
+
+impl std::str::FromStr for SchedulingPolicy {
+    type Err = CoreError;
+    fn from_str(s: &str) -> CoreResult<Self> {
+        match s {
+            "fcfs" => Ok(Self::Fcfs),
+            "priority" => Ok(Self::Priority),
+            other => Err(CoreError::config("scheduling_policy", "one of 'fcfs', 'priority'", format!("'{other}'"))),
+        }
+    }
+}
+
+/// The paged KV cache's shape.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CacheConfig {
+    /// Tokens per KV block.
+    pub block_size: usize,
+    /// Blocks in the pool, including the reserved null block.
+    pub num_blocks: usize,
+    /// Reuse full blocks across requests whose token prefixes hash alike.
+    pub enable_prefix_caching: bool,
+}
+
+impl Default for CacheConfig {
+    fn default() -> Self {
+        Self { block_size: 16, num_blocks: 1024, enable_prefix_caching: true }
+    }
+}
+
+/// The scheduler's limits.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SchedulerConfig {
+    /// Requests running at once.
+    pub max_num_seqs: usize,
+    /// Tokens per step, shared by decodes and prefill chunks.
+    pub max_num_batched_tokens: usize,
+    /// Longest sequence (prompt + output) a request may reach.
+    pub max_model_len: usize,
+    /// Split prompts longer than the remaining budget across steps.
+    pub enable_chunked_prefill: bool,
+    pub policy: SchedulingPolicy,
+}
+
+impl Default for SchedulerConfig {
+    fn default() -> Self {
+        Self {
+            max_num_seqs: 256,
+            max_num_batched_tokens: 8192,
+            max_model_len: 4096,
+            enable_chunked_prefill: true,
+            policy: SchedulingPolicy::Fcfs,
+        }
+    }
+}
+
+/// Everything the engine core is built from.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct EngineConfig {
+    pub cache: CacheConfig,
+    pub scheduler: SchedulerConfig,
+    /// Emit an output for every request that produced tokens in a step, not only on finish
+    /// (streaming). The offline `generate` path leaves it off and pays for finished outputs only.
+    pub stream_outputs: bool,
+}
+
+impl EngineConfig {
+    /// Checks every bound once so the components can trust their config.
+    pub fn validate(&self) -> CoreResult<()> {
+        let c = &self.cache;
+        let s = &self.scheduler;
+        if c.block_size == 0 {
+            return Err(CoreError::config("block_size", ">= 1", c.block_size));
+        }
+        if c.num_blocks < 2 {
+            return Err(CoreError::config("num_blocks", ">= 2 (one is the reserved null block)", c.num_blocks));
+        }
+        if s.max_num_seqs == 0 {
+            return Err(CoreError::config("max_num_seqs", ">= 1", s.max_num_seqs));
+        }
+        if s.max_model_len == 0 {
+            return Err(CoreError::config("max_model_len", ">= 1", s.max_model_len));
+        }
+        if s.max_num_batched_tokens < s.max_num_seqs {
+            return Err(CoreError::config(
+                "max_num_batched_tokens",
+                format!(">= max_num_seqs ({})", s.max_num_seqs),
+                s.max_num_batched_tokens,
+            ));
+        }
+        if !s.enable_chunked_prefill && s.max_num_batched_tokens < s.max_model_len {
+            return Err(CoreError::config(
+                "max_num_batched_tokens",
+                format!(">= max_model_len ({}) when chunked prefill is disabled", s.max_model_len),
+                s.max_num_batched_tokens,
+            ));
+        }
+        let capacity = (c.num_blocks - 1) * c.block_size;
+        if capacity < s.max_model_len {
+            return Err(CoreError::KvCacheTooSmall {
+                num_blocks: c.num_blocks - 1,
+                block_size: c.block_size,
+                capacity,
+                max_model_len: s.max_model_len,
+            });
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn default_config_is_valid() {
+        EngineConfig::default().validate().unwrap();
+    }
+
+    #[test]
+    fn too_small_cache_reports_capacity() {
+        let mut cfg = EngineConfig::default();
+        cfg.cache.num_blocks = 5;
+        cfg.scheduler.max_model_len = 100;
+        match cfg.validate() {
+            Err(CoreError::KvCacheTooSmall { capacity, .. }) => assert_eq!(capacity, 64),
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+
+    #[test]
+    fn unchunked_budget_must_hold_a_whole_prompt() {
+        let mut cfg = EngineConfig::default();
+        cfg.scheduler.enable_chunked_prefill = false;
+        cfg.scheduler.max_num_batched_tokens = 1024;
+        let err = cfg.validate().unwrap_err().to_string();
+        assert!(err.contains("max_num_batched_tokens"), "{err}");
+    }
+
+    #[test]
+    fn policy_parses_vllm_names() {
+        assert_eq!("priority".parse::<SchedulingPolicy>().unwrap(), SchedulingPolicy::Priority);
+        assert!("lifo".parse::<SchedulingPolicy>().is_err());
+    }
+}
