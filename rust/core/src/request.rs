@@ -152,6 +152,17 @@ fn check_range(param: &str, v: f32, lo: f32, hi: f32, bound: &str) -> CoreResult
     Ok(())
 }
 
+/// What the model runner knows of a request, deciding what the next step sends it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RunnerView {
+    /// Never scheduled: the next step sends its full data once.
+    Unseen,
+    /// The runner holds its state: the next step sends only what changed.
+    Known,
+    /// Preempted since the runner last saw it: the next step resends its whole block table.
+    Stale,
+}
+
 /// What a caller submits.
 #[derive(Debug, Clone, PartialEq)]
 pub struct EngineRequest {
@@ -204,6 +215,7 @@ pub struct Request {
     pub block_hashes: Vec<BlockHash>,
     pub output_text: String,
     pub stop_reason: Option<StopReason>,
+    pub runner_view: RunnerView,
 }
 
 impl Request {
@@ -228,6 +240,7 @@ impl Request {
             block_hashes: Vec::new(),
             output_text: String::new(),
             stop_reason: None,
+            runner_view: RunnerView::Unseen,
         }
     }
 

@@ -1,0 +1,111 @@
+//! `schedule()`: one token budget shared by the running requests (decodes and unfinished
+//! prefills, served first) and then the waiting ones. When a running request cannot get blocks,
+//! the policy's victim is preempted by recompute and nobody is admitted in that step.
+
+use super::output::{ScheduledRequest, SchedulerOutput};
+use super::update::PendingStep;
+use super::Scheduler;
+use crate::request::{ReqIdx, RequestStatus};
+
+impl Scheduler {
+    /// Picks this step's requests, allocates their KV slots and emits the step's arrays.
+    pub fn schedule(&mut self) -> SchedulerOutput {
+        let mut budget = self.cfg.max_num_batched_tokens;
+        let mut scheduled: Vec<ScheduledRequest> = Vec::with_capacity(self.running.len());
+        let mut preempted = Vec::new();
+        self.schedule_running(&mut budget, &mut scheduled, &mut preempted);
+        if preempted.is_empty() {
+            self.schedule_waiting(&mut budget, &mut scheduled);
+        }
+        let step_id = self.next_step_id;
+        self.next_step_id += 1;
+        let finished = std::mem::take(&mut self.finished_since_step);
+        let out = self.build_output(step_id, scheduled, preempted, finished);
+        self.pending = Some(PendingStep {
+            req_indices: out.req_indices.iter().map(|&i| i as ReqIdx).collect(),
+            needs_sample: out.needs_sample.iter().map(|&b| b != 0).collect(),
+        });
+        out
+    }
+
+    fn schedule_running(
+        &mut self,
+        budget: &mut usize,
+        scheduled: &mut Vec<ScheduledRequest>,
+        preempted: &mut Vec<ReqIdx>,
+    ) {
+        let mut i = 0;
+        while i < self.running.len() && *budget > 0 {
+            let idx = self.running[i];
+            let req = self.req(idx);
+            let num_new_tokens = (req.num_tokens() - req.num_computed_tokens).min(*budget);
+            if num_new_tokens == 0 {
+                i += 1;
+                continue;
+            }
+            match self.allocate_or_preempt(idx, num_new_tokens, scheduled, budget, preempted) {
+                Some(new_block_ids) => {
+                    *budget -= num_new_tokens;
+                    scheduled.push(ScheduledRequest { idx, num_new_tokens, new_block_ids });
+                    // A victim taken from before `i` shifts this request left.
+                    i = self.running.iter().position(|&r| r == idx).map_or(i, |p| p + 1);
+                }
+                None => break,
+            }
+        }
+    }
+
+    /// Allocates slots for a running request, preempting victims until it fits. Returns `None`
+    /// when the request itself had to be preempted.
+    fn allocate_or_preempt(
+        &mut self,
+        idx: ReqIdx,
+        num_new_tokens: usize,
+        scheduled: &mut Vec<ScheduledRequest>,
+        budget: &mut usize,
+        preempted: &mut Vec<ReqIdx>,
+    ) -> Option<Vec<u32>> {
+        loop {
+            let req = self.requests[idx].as_mut().expect("running request is live");
+            if let Some(blocks) = self.kv.allocate_slots(idx, req, num_new_tokens, &[], 0) {
+                return Some(blocks);
+            }
+            let victim = self.pick_victim().expect("the request itself is running");
+            // A victim already scheduled in this step gives its tokens back.
+            if let Some(p) = scheduled.iter().position(|s| s.idx == victim) {
+                *budget += scheduled.remove(p).num_new_tokens;
+            }
+            self.preempt(victim);
+            preempted.push(victim);
+            if victim == idx {
+                return None;
+            }
+        }
+    }
+
+    fn schedule_waiting(&mut self, budget: &mut usize, scheduled: &mut Vec<ScheduledRequest>) {
+        while *budget > 0 && self.running.len() < self.cfg.max_num_seqs {
+            let Some(idx) = self.waiting.peek() else { break };
+            let req = self.requests[idx].as_mut().expect("waiting request is live");
+            let (computed_blocks, num_computed) = self.kv.get_computed_blocks(req);
+            let remaining = req.num_tokens() - num_computed;
+            if !self.cfg.enable_chunked_prefill && remaining > *budget {
+                break;
+            }
+            let num_new_tokens = remaining.min(*budget);
+            let Some(new_block_ids) =
+                self.kv.allocate_slots(idx, req, num_new_tokens, &computed_blocks, num_computed)
+            else {
+                break;
+            };
+            self.waiting.pop();
+            let req = self.req_mut(idx);
+            req.status = RequestStatus::Running;
+            req.num_computed_tokens = num_computed;
+            req.num_cached_tokens.get_or_insert(num_computed);
+            self.running.push(idx);
+            *budget -= num_new_tokens;
+            scheduled.push(ScheduledRequest { idx, num_new_tokens, new_block_ids });
+        }
+    }
+}
