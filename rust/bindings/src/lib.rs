@@ -1,3 +1,23 @@
+//! `ferrollm._core`: the PyO3 bindings of `ferrollm-core`. Type conversion only; the GIL is
+//! released around every call that does work. `python/ferrollm/_core.pyi` is this module's
+//! contract and `make test` checks the two agree (mypy.stubtest).
+
+mod engine;
+mod errors;
+mod outputs;
+mod sampling;
+mod tokenizer;
+
 use pyo3::prelude::*;
+
 #[pymodule]
-fn _core(_m: &Bound<'_, PyModule>) -> PyResult<()> { Ok(()) }
+fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<engine::PyEngineCore>()?;
+    m.add_class::<sampling::PySamplingOptions>()?;
+    m.add_class::<tokenizer::PyTokenizer>()?;
+    m.add_class::<outputs::PySchedulerOutput>()?;
+    m.add_class::<outputs::PyNewRequestData>()?;
+    m.add_class::<outputs::PyRequestOutput>()?;
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    Ok(())
+}

@@ -22,6 +22,7 @@ impl KVCacheManager {
         _new_computed_blocks: &[BlockId],
         _num_new_computed_tokens: usize,
     ) -> Option<Vec<BlockId>> { todo!() }
+    pub fn ref_cnt(&self, _block: BlockId) -> u32 { todo!() }
     pub fn free(&mut self, _idx: ReqIdx) { todo!() }
     pub fn block_ids(&self, _idx: ReqIdx) -> &[BlockId] { todo!() }
     pub fn reset_prefix_cache(&mut self) -> bool { todo!() }

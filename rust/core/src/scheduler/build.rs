@@ -58,7 +58,7 @@ impl Scheduler {
         out.seq_lens.push(end as i32);
         out.logits_indices.push(out.input_ids.len() as i64 - 1);
         out.query_start_loc.push(out.input_ids.len() as i32);
-        out.needs_sample.push(u8::from(end == req.num_tokens()));
+        out.needs_sample.push(end == req.num_tokens());
         out.sampling.push(&req.sampling);
         match req.runner_view {
             RunnerView::Unseen => out.scheduled_new_reqs.push(NewRequestData {

@@ -81,9 +81,9 @@ pub struct SchedulerOutput {
     pub num_computed_tokens: Vec<i32>,
     /// Token index whose logits the sampler reads for each request (its last scheduled token).
     pub logits_indices: Vec<i64>,
-    /// 1 where this step completes the request's known tokens, so its sampled token is kept;
-    /// 0 for a prefill chunk that stops short of the prompt's end.
-    pub needs_sample: Vec<u8>,
+    /// True where this step completes the request's known tokens, so its sampled token is
+    /// kept; false for a prefill chunk that stops short of the prompt's end.
+    pub needs_sample: Vec<bool>,
     pub sampling: SamplingArrays,
     pub scheduled_new_reqs: Vec<NewRequestData>,
     pub scheduled_cached_reqs: Vec<CachedRequestData>,

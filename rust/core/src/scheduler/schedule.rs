@@ -23,7 +23,7 @@ impl Scheduler {
         let out = self.build_output(step_id, scheduled, preempted, finished);
         self.pending = Some(PendingStep {
             req_indices: out.req_indices.iter().map(|&i| i as ReqIdx).collect(),
-            needs_sample: out.needs_sample.iter().map(|&b| b != 0).collect(),
+            needs_sample: out.needs_sample.clone(),
         });
         out
     }

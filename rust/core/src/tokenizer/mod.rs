@@ -17,5 +17,8 @@ impl Tokenizer {
     pub fn vocab_size(&self) -> usize { todo!() }
     pub fn encode_batch(&self, _prompts: &[String], _add_special_tokens: bool) -> CoreResult<Vec<Vec<TokenId>>> { todo!() }
     pub fn decode(&self, _ids: &[TokenId], _skip_special_tokens: bool) -> CoreResult<String> { todo!() }
+    pub fn bos_token_id(&self) -> Option<TokenId> { todo!() }
+    pub fn token_to_id(&self, _t: &str) -> Option<TokenId> { todo!() }
+    pub fn id_to_token(&self, _id: TokenId) -> Option<String> { todo!() }
     pub fn new_detokenizer(&self, _prompt_ids: &[TokenId], _skip_special_tokens: bool) -> IncrementalDetokenizer { todo!() }
 }

@@ -1,0 +1,63 @@
+"""ferrollm's exception hierarchy.
+
+Every error the engine raises is a :class:`FerroLLMError`. Errors caused by a bad request or a
+bad option also subclass :class:`ValueError`, so code written for vLLM that catches
+``ValueError`` keeps working. The Rust core maps each of its error kinds to one class here
+(``rust/bindings/src/errors.rs``), by name.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "FerroLLMError",
+    "InvalidRequestError",
+    "PromptTooLongError",
+    "DuplicateRequestError",
+    "ConfigError",
+    "KVCacheTooSmallError",
+    "TokenizerError",
+    "StepMismatchError",
+    "EngineError",
+    "EngineClosedError",
+]
+
+
+class FerroLLMError(Exception):
+    """Base class of every ferrollm error."""
+
+
+class InvalidRequestError(FerroLLMError, ValueError):
+    """A request parameter is out of range; the message names it, the bound and the value."""
+
+
+class PromptTooLongError(InvalidRequestError):
+    """The prompt does not leave room for one output token within ``max_model_len``."""
+
+
+class DuplicateRequestError(InvalidRequestError):
+    """A request id is already used by an unfinished request."""
+
+
+class ConfigError(FerroLLMError, ValueError):
+    """An engine option is invalid; the message names it, the bound and the value."""
+
+
+class KVCacheTooSmallError(ConfigError):
+    """The KV cache cannot hold one ``max_model_len`` sequence; the message gives the largest
+    length that fits and the options that help."""
+
+
+class TokenizerError(FerroLLMError, ValueError):
+    """The tokenizer files could not be read, or text could not be encoded."""
+
+
+class StepMismatchError(FerroLLMError, RuntimeError):
+    """The sampled tokens handed to ``update`` do not match the scheduled step."""
+
+
+class EngineError(FerroLLMError, RuntimeError):
+    """The model runner failed while executing a step."""
+
+
+class EngineClosedError(EngineError):
+    """The engine was shut down."""
