@@ -81,6 +81,7 @@ impl PyEngineCore {
 
     /// Adds requests atomically; text prompts are tokenized in parallel with the GIL released.
     #[pyo3(signature = (request_ids, prompts, params, priorities=None, cache_salts=None, add_special_tokens=true))]
+    #[allow(clippy::too_many_arguments)]
     fn add_requests(
         &self,
         py: Python<'_>,
@@ -171,8 +172,14 @@ impl PyEngineCore {
     }
 
     /// How many requests hold a KV block.
-    fn block_ref_count(&self, block_id: u32) -> u32 {
-        self.lock().scheduler().kv_cache().ref_cnt(block_id)
+    fn block_ref_count(&self, block_id: u32) -> PyCoreResult<u32> {
+        let core = self.lock();
+        let pool = core.scheduler().kv_cache().pool();
+        if block_id as usize >= pool.num_blocks() {
+            let bound = format!("< num_blocks ({})", pool.num_blocks());
+            return Err(ferrollm_core::CoreError::invalid("block_id", bound, block_id).into());
+        }
+        Ok(pool.ref_cnt(block_id))
     }
 
     /// The engine's tokenizer, if it has one.

@@ -61,7 +61,7 @@ fn shared_prefix_is_served_from_the_cache() {
     let kv = core.scheduler().kv_cache();
     assert_eq!(&kv.block_ids(a)[..3], &kv.block_ids(b)[..3]);
     for &blk in &kv.block_ids(a)[..3] {
-        assert_eq!(kv.ref_cnt(blk), 2);
+        assert_eq!(kv.pool().ref_cnt(blk), 2);
     }
     core.update(&[1, 1]).unwrap();
     let outs = run_to_completion(&mut core, &mut EchoRunner::default());
@@ -88,7 +88,7 @@ fn preemption_resumes_with_the_same_tokens() {
 #[test]
 fn preemption_takes_the_latest_request_and_admits_nobody() {
     // 6 usable blocks of 4 tokens; `c` waits behind max_num_seqs = 2.
-    let mut core = EngineCore::new(config(4, 7, 2, 64, 64), None).unwrap();
+    let mut core = EngineCore::new(config(4, 7, 2, 64, 24), None).unwrap();
     core.add_request(request("a", prompt(1, 8), 30)).unwrap();
     core.add_request(request("b", prompt(2, 8), 30)).unwrap();
     core.add_request(request("c", prompt(3, 2), 4)).unwrap();
@@ -139,7 +139,7 @@ fn priority_policy_admits_lowest_value_first() {
 
 #[test]
 fn new_request_data_is_sent_once_then_only_diffs() {
-    let mut core = EngineCore::new(config(4, 64, 2, 512, 256), None).unwrap();
+    let mut core = EngineCore::new(config(4, 65, 2, 512, 256), None).unwrap();
     core.add_request(request("a", prompt(1, 6), 8)).unwrap();
     let s1 = core.schedule();
     assert_eq!(s1.scheduled_new_reqs.len(), 1);

@@ -19,7 +19,7 @@ use crate::request::EngineRequest;
 type OutputSender = mpsc::UnboundedSender<CoreResult<RequestOutput>>;
 
 enum Command {
-    Add(EngineRequest, OutputSender, oneshot::Sender<CoreResult<()>>),
+    Add(Box<EngineRequest>, OutputSender, oneshot::Sender<CoreResult<()>>),
     Abort(String),
 }
 
@@ -54,7 +54,7 @@ impl AsyncEngine {
     pub async fn submit(&self, req: EngineRequest) -> CoreResult<RequestStream> {
         let (tx, rx) = mpsc::unbounded_channel();
         let (ack, acked) = oneshot::channel();
-        self.commands.send(Command::Add(req, tx, ack)).map_err(|_| CoreError::EngineClosed)?;
+        self.commands.send(Command::Add(Box::new(req), tx, ack)).map_err(|_| CoreError::EngineClosed)?;
         acked.await.map_err(|_| CoreError::EngineClosed)??;
         Ok(RequestStream { rx })
     }
@@ -123,7 +123,7 @@ fn handle<R>(state: &mut LoopState<R>, cmd: Command) {
     match cmd {
         Command::Add(req, sink, ack) => {
             let id = req.request_id.clone();
-            let result = state.core.add_request(req);
+            let result = state.core.add_request(*req);
             if result.is_ok() {
                 state.sinks.insert(id, sink);
             }

@@ -51,7 +51,7 @@ impl Scheduler {
         }
         out.block_tables.extend(blocks.iter().map(|&b| b as i32));
         let pad = out.max_num_blocks - blocks.len();
-        out.block_tables.extend(std::iter::repeat(NULL_BLOCK as i32).take(pad));
+        out.block_tables.extend(std::iter::repeat_n(NULL_BLOCK as i32, pad));
         out.req_indices.push(s.idx as i64);
         out.num_scheduled_tokens.push(s.num_new_tokens as i32);
         out.num_computed_tokens.push(start as i32);
