@@ -26,9 +26,7 @@ fn bench_block_pool(c: &mut Criterion) {
         b.iter_batched(
             || BlockPool::new(NUM_BLOCKS, true),
             |mut pool| {
-                let ids = pool
-                    .get_new_blocks(black_box(BATCH))
-                    .expect("enough free blocks");
+                let ids = pool.get_new_blocks(black_box(BATCH)).expect("enough free blocks");
                 pool.free_blocks(ids.into_iter().rev());
                 pool
             },
@@ -39,9 +37,7 @@ fn bench_block_pool(c: &mut Criterion) {
         b.iter_batched(
             || pool_with_cached_free_blocks().0,
             |mut pool| {
-                let ids = pool
-                    .get_new_blocks(black_box(BATCH))
-                    .expect("enough free blocks");
+                let ids = pool.get_new_blocks(black_box(BATCH)).expect("enough free blocks");
                 (pool, ids)
             },
             BatchSize::SmallInput,

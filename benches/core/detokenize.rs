@@ -51,20 +51,14 @@ fn train() -> tokenizers::Tokenizer {
         .special_tokens(vec![AddedToken::from("</s>", true)])
         .build()
         .into();
-    hf.train(&mut trainer, corpus().into_iter())
-        .expect("training the bench tokenizer");
+    hf.train(&mut trainer, corpus().into_iter()).expect("training the bench tokenizer");
     hf
 }
 
 /// One token stream per request, each from a different mix of sentences.
 fn streams(tok: &Tokenizer) -> Vec<Vec<TokenId>> {
     let texts: Vec<String> = (0..NUM_REQUESTS)
-        .map(|r| {
-            (0..12)
-                .map(|k| SENTENCES[(r + k * 5) % SENTENCES.len()])
-                .collect::<Vec<_>>()
-                .join(" ")
-        })
+        .map(|r| (0..12).map(|k| SENTENCES[(r + k * 5) % SENTENCES.len()]).collect::<Vec<_>>().join(" "))
         .collect();
     tok.encode_batch(&texts, false).expect("encode")
 }
@@ -72,13 +66,9 @@ fn streams(tok: &Tokenizer) -> Vec<Vec<TokenId>> {
 /// Times one step of 256 requests.
 fn bench_steps(c: &mut Criterion, name: &str, tok: &Tokenizer) {
     let streams = streams(tok);
-    let prompt = tok
-        .encode_batch(&["Tell me a story:".to_string()], false)
-        .expect("encode")
-        .remove(0);
-    let mut detoks: Vec<IncrementalDetokenizer> = (0..NUM_REQUESTS)
-        .map(|_| tok.new_detokenizer(&prompt, true))
-        .collect();
+    let prompt = tok.encode_batch(&["Tell me a story:".to_string()], false).expect("encode").remove(0);
+    let mut detoks: Vec<IncrementalDetokenizer> =
+        (0..NUM_REQUESTS).map(|_| tok.new_detokenizer(&prompt, true)).collect();
     let mut outs: Vec<String> = vec![String::with_capacity(256); NUM_REQUESTS];
     let mut pos = 0usize;
     let mut group = c.benchmark_group("detokenize");

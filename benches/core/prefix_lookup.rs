@@ -19,34 +19,22 @@ fn request(tokens: &[u32]) -> Request {
 
 /// A manager whose cache holds every full block of `tokens`, all freed.
 fn warm_manager(tokens: &[u32]) -> KVCacheManager {
-    let cfg = CacheConfig {
-        block_size: BLOCK_SIZE,
-        num_blocks: 1024,
-        enable_prefix_caching: true,
-    };
+    let cfg = CacheConfig { block_size: BLOCK_SIZE, num_blocks: 1024, enable_prefix_caching: true };
     let mut m = KVCacheManager::new(&cfg);
     let mut req = request(tokens);
-    m.allocate_slots(0, &mut req, tokens.len(), &[], 0)
-        .expect("cache holds the prompt");
+    m.allocate_slots(0, &mut req, tokens.len(), &[], 0).expect("cache holds the prompt");
     m.free(0);
     m
 }
 
 fn bench_prefix_lookup(c: &mut Criterion) {
-    let tokens: Vec<u32> = (0..PROMPT_LEN as u32)
-        .map(|t| t.wrapping_mul(2_654_435_761) % 50_000)
-        .collect();
+    let tokens: Vec<u32> = (0..PROMPT_LEN as u32).map(|t| t.wrapping_mul(2_654_435_761) % 50_000).collect();
     let mut m = warm_manager(&tokens);
     let mut g = c.benchmark_group("prefix_lookup");
     g.throughput(Throughput::Elements(PROMPT_LEN as u64));
     let mut hashed = request(&tokens);
-    assert_eq!(
-        m.get_computed_blocks(&mut hashed).1,
-        PROMPT_LEN - BLOCK_SIZE
-    );
-    g.bench_function("lookup_4096_hashed", |b| {
-        b.iter(|| black_box(m.get_computed_blocks(&mut hashed)))
-    });
+    assert_eq!(m.get_computed_blocks(&mut hashed).1, PROMPT_LEN - BLOCK_SIZE);
+    g.bench_function("lookup_4096_hashed", |b| b.iter(|| black_box(m.get_computed_blocks(&mut hashed))));
     g.bench_function("hash_and_lookup_4096", |b| {
         b.iter_batched(
             || request(&tokens),

@@ -26,7 +26,8 @@ fn engine() -> EngineCore {
         stream_outputs: false,
     };
     let mut core = EngineCore::new(cfg, None).expect("valid config");
-    let sampling = SamplingOptions { max_tokens: Some(1024), ignore_eos: true, detokenize: false, ..Default::default() };
+    let sampling =
+        SamplingOptions { max_tokens: Some(1024), ignore_eos: true, detokenize: false, ..Default::default() };
     let reqs = (0..NUM_REQS)
         .map(|i| {
             let prompt = (0..PROMPT_LEN as u32).map(|t| (t * 7 + i as u32 * 131) % 32000).collect();

@@ -75,6 +75,8 @@ def test_step_arrays_are_numpy_and_consistent():
     for row, (start, end) in enumerate([(0, 5), (5, 14)]):
         for tok, pos in zip(range(start, end), step.positions[start:end]):
             assert step.slot_mapping[tok] == table[row, pos // 4] * 4 + pos % 4
+    # The arrays own the core's buffers (moved, not copied, out of Rust).
+    assert not step.input_ids.flags.owndata and step.input_ids.base is not None
     assert [r.request_id for r in step.scheduled_new_reqs] == ["a", "b"]
     assert step.scheduled_new_reqs[1].prompt_token_ids == ids(2, 9)
 

@@ -192,7 +192,12 @@ fn check_len(param: &str, got: usize, want: usize) -> PyCoreResult<()> {
     if got == want {
         return Ok(());
     }
-    Err(ferrollm_core::CoreError::invalid(param, format!("one entry per request id ({want})"), format!("{got} entries")).into())
+    Err(ferrollm_core::CoreError::invalid(
+        param,
+        format!("one entry per request id ({want})"),
+        format!("{got} entries"),
+    )
+    .into())
 }
 
 fn to_token_ids(a: &[i64]) -> PyResult<Vec<u32>> {
@@ -210,12 +215,21 @@ fn to_token_ids(a: &[i64]) -> PyResult<Vec<u32>> {
         .collect()
 }
 
-fn tokenize(core: &EngineCore, prompts: Vec<Prompt>, add_special_tokens: bool) -> ferrollm_core::CoreResult<Vec<Vec<u32>>> {
-    let texts: Vec<String> = prompts.iter().filter_map(|p| match p {
-        Prompt::Text(t) => Some(t.clone()),
-        Prompt::TokenIds(_) => None,
-    }).collect();
-    let mut encoded = if texts.is_empty() { Vec::new() } else { core.encode_prompts(&texts, add_special_tokens)? }.into_iter();
+fn tokenize(
+    core: &EngineCore,
+    prompts: Vec<Prompt>,
+    add_special_tokens: bool,
+) -> ferrollm_core::CoreResult<Vec<Vec<u32>>> {
+    let texts: Vec<String> = prompts
+        .iter()
+        .filter_map(|p| match p {
+            Prompt::Text(t) => Some(t.clone()),
+            Prompt::TokenIds(_) => None,
+        })
+        .collect();
+    let mut encoded =
+        if texts.is_empty() { Vec::new() } else { core.encode_prompts(&texts, add_special_tokens)? }
+            .into_iter();
     Ok(prompts
         .into_iter()
         .map(|p| match p {

@@ -168,7 +168,10 @@ pub fn scheduler_output(py: Python<'_>, o: SchedulerOutput) -> PyResult<PySchedu
         scheduled_new_reqs: new_reqs.collect::<PyResult<_>>()?,
         cached_req_indices: arr(py, cached.iter().map(|c| c.req_index as i64).collect::<Vec<_>>()),
         cached_resumed: arr(py, cached.iter().map(|c| c.resumed_from_preemption).collect::<Vec<_>>()),
-        cached_num_computed_tokens: arr(py, cached.iter().map(|c| c.num_computed_tokens as i32).collect::<Vec<_>>()),
+        cached_num_computed_tokens: arr(
+            py,
+            cached.iter().map(|c| c.num_computed_tokens as i32).collect::<Vec<_>>(),
+        ),
         cached_new_block_ids: arr(py, ids),
         cached_new_block_offsets: arr(py, offsets),
         finished_req_indices: arr(py, o.finished_req_indices),

@@ -61,7 +61,12 @@ impl PyTokenizer {
 
     /// Encodes many texts in parallel.
     #[pyo3(signature = (texts, add_special_tokens=true))]
-    fn encode_batch(&self, py: Python<'_>, texts: Vec<String>, add_special_tokens: bool) -> PyCoreResult<Vec<Vec<u32>>> {
+    fn encode_batch(
+        &self,
+        py: Python<'_>,
+        texts: Vec<String>,
+        add_special_tokens: bool,
+    ) -> PyCoreResult<Vec<Vec<u32>>> {
         Ok(py.detach(|| self.inner.encode_batch(&texts, add_special_tokens))?)
     }
 

@@ -59,7 +59,10 @@ async fn run_async() -> CoreResult<()> {
                 let out = out?;
                 tokens.extend(out.token_ids);
                 if out.finished {
-                    println!("async req-{i} streamed {tokens:?} ({})", out.finish_reason.map_or("-", |r| r.as_str()));
+                    println!(
+                        "async req-{i} streamed {tokens:?} ({})",
+                        out.finish_reason.map_or("-", |r| r.as_str())
+                    );
                 }
             }
             CoreResult::Ok(())

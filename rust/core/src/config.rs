@@ -20,7 +20,9 @@ impl std::str::FromStr for SchedulingPolicy {
         match s {
             "fcfs" => Ok(Self::Fcfs),
             "priority" => Ok(Self::Priority),
-            other => Err(CoreError::config("scheduling_policy", "one of 'fcfs', 'priority'", format!("'{other}'"))),
+            other => {
+                Err(CoreError::config("scheduling_policy", "one of 'fcfs', 'priority'", format!("'{other}'")))
+            }
         }
     }
 }
@@ -87,7 +89,11 @@ impl EngineConfig {
             return Err(CoreError::config("block_size", ">= 1", c.block_size));
         }
         if c.num_blocks < 2 {
-            return Err(CoreError::config("num_blocks", ">= 2 (one is the reserved null block)", c.num_blocks));
+            return Err(CoreError::config(
+                "num_blocks",
+                ">= 2 (one is the reserved null block)",
+                c.num_blocks,
+            ));
         }
         if s.max_num_seqs == 0 {
             return Err(CoreError::config("max_num_seqs", ">= 1", s.max_num_seqs));

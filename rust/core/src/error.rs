@@ -15,31 +15,19 @@ pub type CoreResult<T> = Result<T, CoreError>;
 pub enum CoreError {
     /// A request parameter is outside its allowed range.
     #[error("`{param}` must be {bound}. Given: {value}")]
-    InvalidParameter {
-        param: String,
-        bound: String,
-        value: String,
-    },
+    InvalidParameter { param: String, bound: String, value: String },
     /// The prompt plus the tokens asked for cannot fit in `max_model_len`.
     #[error(
         "the prompt of request `{request_id}` has {num_tokens} tokens, but `max_model_len` is \
          {max_model_len}: the prompt must be shorter than `max_model_len`"
     )]
-    PromptTooLong {
-        request_id: String,
-        num_tokens: usize,
-        max_model_len: usize,
-    },
+    PromptTooLong { request_id: String, num_tokens: usize, max_model_len: usize },
     /// A request id that is already queued or running was added again.
     #[error("request id `{0}` is already in use by an unfinished request")]
     DuplicateRequestId(String),
     /// An engine configuration value is invalid.
     #[error("`{param}` must be {bound}. Given: {value}")]
-    InvalidConfig {
-        param: String,
-        bound: String,
-        value: String,
-    },
+    InvalidConfig { param: String, bound: String, value: String },
     /// The KV cache cannot hold even one `max_model_len` sequence.
     #[error(
         "the KV cache has {num_blocks} blocks of {block_size} tokens ({capacity} tokens), fewer \
@@ -47,22 +35,13 @@ pub enum CoreError {
          is {capacity}. Lower `max_model_len`, give the cache more memory, quantize the model or \
          raise `tensor_parallel_size`"
     )]
-    KvCacheTooSmall {
-        num_blocks: usize,
-        block_size: usize,
-        capacity: usize,
-        max_model_len: usize,
-    },
+    KvCacheTooSmall { num_blocks: usize, block_size: usize, capacity: usize, max_model_len: usize },
     /// The tokenizer files could not be read or used.
     #[error("tokenizer error: {0}")]
     Tokenizer(String),
     /// The step arrays handed back do not match the step that was scheduled.
     #[error("`{param}` must be {bound}. Given: {value}")]
-    StepMismatch {
-        param: String,
-        bound: String,
-        value: String,
-    },
+    StepMismatch { param: String, bound: String, value: String },
     /// The model runner failed while executing a step.
     #[error("model runner failed: {0}")]
     Runner(String),
@@ -83,11 +62,7 @@ impl CoreError {
 
     /// Shorthand for [`CoreError::InvalidConfig`].
     pub fn config(param: &str, bound: impl Into<String>, value: impl ToString) -> Self {
-        CoreError::InvalidConfig {
-            param: param.to_string(),
-            bound: bound.into(),
-            value: value.to_string(),
-        }
+        CoreError::InvalidConfig { param: param.to_string(), bound: bound.into(), value: value.to_string() }
     }
 }
 
@@ -103,12 +78,8 @@ mod tests {
 
     #[test]
     fn kv_cache_too_small_names_the_largest_length_that_fits() {
-        let e = CoreError::KvCacheTooSmall {
-            num_blocks: 4,
-            block_size: 16,
-            capacity: 64,
-            max_model_len: 128,
-        };
+        let e =
+            CoreError::KvCacheTooSmall { num_blocks: 4, block_size: 16, capacity: 64, max_model_len: 128 };
         let msg = e.to_string();
         assert!(msg.contains("largest length that fits is 64"), "{msg}");
         assert!(msg.contains("max_model_len"), "{msg}");

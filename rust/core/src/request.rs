@@ -122,7 +122,11 @@ impl SamplingOptions {
                 return Err(CoreError::invalid("max_tokens", ">= 1", m));
             }
             if self.min_tokens > m {
-                return Err(CoreError::invalid("min_tokens", format!("<= max_tokens ({m})"), self.min_tokens));
+                return Err(CoreError::invalid(
+                    "min_tokens",
+                    format!("<= max_tokens ({m})"),
+                    self.min_tokens,
+                ));
             }
         }
         check_range("temperature", self.temperature, 0.0, f32::INFINITY, ">= 0")?;
@@ -178,7 +182,11 @@ pub struct EngineRequest {
 }
 
 impl EngineRequest {
-    pub fn new(request_id: impl Into<String>, prompt_token_ids: Vec<TokenId>, sampling: SamplingOptions) -> Self {
+    pub fn new(
+        request_id: impl Into<String>,
+        prompt_token_ids: Vec<TokenId>,
+        sampling: SamplingOptions,
+    ) -> Self {
         Self {
             request_id: request_id.into(),
             prompt_token_ids,
@@ -288,7 +296,11 @@ mod tests {
 
     #[test]
     fn output_cap_respects_max_model_len() {
-        let req = EngineRequest::new("a", vec![1; 10], SamplingOptions { max_tokens: Some(100), ..Default::default() });
+        let req = EngineRequest::new(
+            "a",
+            vec![1; 10],
+            SamplingOptions { max_tokens: Some(100), ..Default::default() },
+        );
         let r = Request::new(req, 0, 32);
         assert_eq!(r.max_output_tokens, 22);
     }

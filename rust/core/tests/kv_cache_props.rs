@@ -35,11 +35,7 @@ enum Op {
 }
 
 fn prefixes() -> Vec<Vec<TokenId>> {
-    vec![
-        (0..24).collect(),
-        (0..10).chain(100..114).collect(),
-        (200..224).collect(),
-    ]
+    vec![(0..24).collect(), (0..10).chain(100..114).collect(), (200..224).collect()]
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -66,11 +62,7 @@ struct World {
 
 impl World {
     fn new() -> Self {
-        let cfg = CacheConfig {
-            block_size: BLOCK_SIZE,
-            num_blocks: NUM_BLOCKS,
-            enable_prefix_caching: true,
-        };
+        let cfg = CacheConfig { block_size: BLOCK_SIZE, num_blocks: NUM_BLOCKS, enable_prefix_caching: true };
         Self {
             m: KVCacheManager::new(&cfg),
             reqs: (0..NUM_SLOTS).map(|_| None).collect(),
@@ -92,12 +84,7 @@ impl World {
         }
     }
 
-    fn allocate(
-        &mut self,
-        slot: usize,
-        tokens: Vec<TokenId>,
-        salted: bool,
-    ) -> Result<(), TestCaseError> {
+    fn allocate(&mut self, slot: usize, tokens: Vec<TokenId>, salted: bool) -> Result<(), TestCaseError> {
         if self.reqs[slot].is_some() || tokens.is_empty() {
             return Ok(());
         }
@@ -105,29 +92,16 @@ impl World {
         er.cache_salt = salted.then(|| "salt".to_string());
         let mut req = Request::new(er, 0, 1 << 16);
         let (hits, num_hit) = self.m.get_computed_blocks(&mut req);
-        prop_assert!(
-            num_hit < req.num_tokens(),
-            "lookup covered the whole prompt"
-        );
+        prop_assert!(num_hit < req.num_tokens(), "lookup covered the whole prompt");
         for (pos, &t) in req.all_token_ids[..num_hit].iter().enumerate() {
             let b = hits[pos / BLOCK_SIZE] as usize;
-            prop_assert_eq!(
-                self.content[b][pos % BLOCK_SIZE],
-                Some((salted, t)),
-                "stale hit"
-            );
+            prop_assert_eq!(self.content[b][pos % BLOCK_SIZE], Some((salted, t)), "stale hit");
         }
         let free_before = self.m.num_free_blocks();
         let num_new = req.num_tokens() - num_hit;
-        match self
-            .m
-            .allocate_slots(slot, &mut req, num_new, &hits, num_hit)
-        {
+        match self.m.allocate_slots(slot, &mut req, num_new, &hits, num_hit) {
             Some(_) => {
-                prop_assert_eq!(
-                    self.table(slot).len(),
-                    req.num_tokens().div_ceil(BLOCK_SIZE)
-                );
+                prop_assert_eq!(self.table(slot).len(), req.num_tokens().div_ceil(BLOCK_SIZE));
                 self.write(slot, &req, num_hit, req.num_tokens());
                 req.num_computed_tokens = req.num_tokens();
                 self.reqs[slot] = Some(req);
@@ -164,13 +138,7 @@ impl World {
 
     fn apply(&mut self, op: Op) -> Result<(), TestCaseError> {
         match op {
-            Op::Allocate {
-                slot,
-                prefix,
-                prefix_len,
-                suffix,
-                salted,
-            } => {
+            Op::Allocate { slot, prefix, prefix_len, suffix, salted } => {
                 let mut tokens = prefixes()[prefix][..prefix_len].to_vec();
                 tokens.extend(suffix);
                 self.allocate(slot, tokens, salted)?;

@@ -111,7 +111,10 @@ fn preemption_takes_the_latest_request_and_admits_nobody() {
 }
 
 fn runner_tokens(step: &ferrollm_core::scheduler::SchedulerOutput) -> Vec<u32> {
-    step.logits_indices.iter().map(|&i| next_token(step.input_ids[i as usize], step.positions[i as usize])).collect()
+    step.logits_indices
+        .iter()
+        .map(|&i| next_token(step.input_ids[i as usize], step.positions[i as usize]))
+        .collect()
 }
 
 #[test]
@@ -202,8 +205,12 @@ fn min_tokens_defers_stop_tokens() {
     let expected = reference_tokens(&p, 10);
     let stop = expected[0];
     let mut core = EngineCore::new(config(16, 64, 4, 512, 256), None).unwrap();
-    let sampling =
-        SamplingOptions { max_tokens: Some(10), min_tokens: 3, stop_token_ids: vec![stop], ..Default::default() };
+    let sampling = SamplingOptions {
+        max_tokens: Some(10),
+        min_tokens: 3,
+        stop_token_ids: vec![stop],
+        ..Default::default()
+    };
     core.add_request(EngineRequest::new("a", p, sampling)).unwrap();
     let outs = run_to_completion(&mut core, &mut EchoRunner::default());
     assert!(outs[0].token_ids.len() >= 3);

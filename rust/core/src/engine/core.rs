@@ -60,7 +60,11 @@ impl EngineCore {
     }
 
     /// Tokenizes prompts in parallel.
-    pub fn encode_prompts(&self, prompts: &[String], add_special_tokens: bool) -> CoreResult<Vec<Vec<TokenId>>> {
+    pub fn encode_prompts(
+        &self,
+        prompts: &[String],
+        add_special_tokens: bool,
+    ) -> CoreResult<Vec<Vec<TokenId>>> {
         let tok = self.tokenizer.as_ref().ok_or_else(|| {
             CoreError::Tokenizer("this engine has no tokenizer: pass prompt token ids instead of text".into())
         })?;

@@ -53,20 +53,13 @@ impl BlockPool {
     /// If `num_blocks` does not fit a `u32` block id.
     pub fn new(num_blocks: usize, enable_caching: bool) -> Self {
         let num_blocks = num_blocks.max(1);
-        assert!(
-            num_blocks < NIL as usize,
-            "num_blocks {num_blocks} exceeds the u32 block id range"
-        );
+        assert!(num_blocks < NIL as usize, "num_blocks {num_blocks} exceeds the u32 block id range");
         let blocks = (0..num_blocks as u32)
             .map(|i| Block {
                 ref_cnt: 0,
                 hash: None,
                 prev_free: if i <= 1 { NIL } else { i - 1 },
-                next_free: if i == 0 || i + 1 == num_blocks as u32 {
-                    NIL
-                } else {
-                    i + 1
-                },
+                next_free: if i == 0 || i + 1 == num_blocks as u32 { NIL } else { i + 1 },
             })
             .collect();
         let has_free = num_blocks > 1;
@@ -230,27 +223,14 @@ impl BlockPool {
             (prev, cur, len) = (cur, b.next_free, len + 1);
         }
         if prev != self.free_tail {
-            return Err(format!(
-                "free list ends at {prev}, tail is {}",
-                self.free_tail
-            ));
+            return Err(format!("free list ends at {prev}, tail is {}", self.free_tail));
         }
         if len != self.num_free {
-            return Err(format!(
-                "free list length {len} != num_free {}",
-                self.num_free
-            ));
+            return Err(format!("free list length {len} != num_free {}", self.num_free));
         }
-        let num_zero = self
-            .blocks
-            .iter()
-            .skip(1)
-            .filter(|b| b.ref_cnt == 0)
-            .count();
+        let num_zero = self.blocks.iter().skip(1).filter(|b| b.ref_cnt == 0).count();
         if num_zero != len {
-            return Err(format!(
-                "{num_zero} blocks have ref_cnt 0 but {len} are free"
-            ));
+            return Err(format!("{num_zero} blocks have ref_cnt 0 but {len} are free"));
         }
         if self.blocks[NULL_BLOCK as usize].ref_cnt != 0 || self.blocks[0].hash.is_some() {
             return Err("the null block was used".into());
@@ -264,28 +244,19 @@ impl BlockPool {
         }
         for (h, &id) in &self.cached {
             if self.blocks.get(id as usize).and_then(|b| b.hash) != Some(*h) {
-                return Err(format!(
-                    "cached map entry for block {id} does not match its hash"
-                ));
+                return Err(format!("cached map entry for block {id} does not match its hash"));
             }
         }
         let num_hashed = self.blocks.iter().filter(|b| b.hash.is_some()).count();
         if num_hashed != self.cached.len() {
-            return Err(format!(
-                "{num_hashed} blocks carry hashes, map has {}",
-                self.cached.len()
-            ));
+            return Err(format!("{num_hashed} blocks carry hashes, map has {}", self.cached.len()));
         }
         Ok(())
     }
 
     /// Removes a free block from the list in O(1).
     fn unlink(&mut self, id: BlockId) {
-        let Block {
-            prev_free: prev,
-            next_free: next,
-            ..
-        } = self.blocks[id as usize];
+        let Block { prev_free: prev, next_free: next, .. } = self.blocks[id as usize];
         match prev {
             NIL => self.free_head = next,
             p => self.blocks[p as usize].next_free = next,
@@ -359,16 +330,9 @@ mod tests {
         pool.free_blocks([ids[2], ids[0], ids[3], ids[1]]);
         let first = pool.get_new_blocks(1).unwrap();
         assert_eq!(first, vec![ids[2]]);
-        assert_eq!(
-            pool.get_cached_block(&h(3)),
-            None,
-            "reused block must leave the cache"
-        );
+        assert_eq!(pool.get_cached_block(&h(3)), None, "reused block must leave the cache");
         assert_eq!(pool.get_cached_block(&h(1)), Some(ids[0]));
-        assert_eq!(
-            pool.get_new_blocks(3).unwrap(),
-            vec![ids[0], ids[3], ids[1]]
-        );
+        assert_eq!(pool.get_new_blocks(3).unwrap(), vec![ids[0], ids[3], ids[1]]);
         assert_eq!(pool.num_cached_blocks(), 0);
         pool.check_invariants().unwrap();
     }
@@ -393,10 +357,7 @@ mod tests {
         assert_eq!(pool.ref_cnt(ids[1]), 1);
         assert_eq!(pool.num_free_blocks(), 3);
         pool.check_invariants().unwrap();
-        assert_eq!(
-            pool.get_new_blocks(3).unwrap(),
-            vec![ids[0], ids[2], ids[3]]
-        );
+        assert_eq!(pool.get_new_blocks(3).unwrap(), vec![ids[0], ids[2], ids[3]]);
         pool.touch(&[ids[1]]);
         assert_eq!(pool.ref_cnt(ids[1]), 2);
         pool.check_invariants().unwrap();

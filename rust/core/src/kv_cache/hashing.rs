@@ -41,11 +41,7 @@ const TOKENS_PER_CHUNK: usize = 64;
 /// Hashes one full block: `parent` is the previous block's hash (`None` for a request's first
 /// block), `tokens` the block's token ids and `extra_keys` any further byte strings that must
 /// separate otherwise equal blocks. Computes xxh3-128 over a tagged, length-prefixed encoding.
-pub fn hash_block_tokens(
-    parent: Option<BlockHash>,
-    tokens: &[TokenId],
-    extra_keys: &[&[u8]],
-) -> BlockHash {
+pub fn hash_block_tokens(parent: Option<BlockHash>, tokens: &[TokenId], extra_keys: &[&[u8]]) -> BlockHash {
     let mut h = Xxh3Default::new();
     match parent {
         Some(BlockHash(p)) => {
@@ -108,11 +104,7 @@ mod tests {
     use crate::request::{EngineRequest, SamplingOptions};
 
     fn request(tokens: Vec<TokenId>) -> Request {
-        Request::new(
-            EngineRequest::new("r", tokens, SamplingOptions::default()),
-            0,
-            1 << 20,
-        )
+        Request::new(EngineRequest::new("r", tokens, SamplingOptions::default()), 0, 1 << 20)
     }
 
     #[test]
@@ -127,10 +119,7 @@ mod tests {
         let root = hash_block_tokens(None, &[1, 2], &[]);
         let child = hash_block_tokens(Some(root), &[3, 4], &[]);
         assert_ne!(child, hash_block_tokens(None, &[3, 4], &[]));
-        assert_ne!(
-            child,
-            hash_block_tokens(Some(BlockHash(root.0 ^ 1)), &[3, 4], &[])
-        );
+        assert_ne!(child, hash_block_tokens(Some(BlockHash(root.0 ^ 1)), &[3, 4], &[]));
     }
 
     #[test]
@@ -140,10 +129,7 @@ mod tests {
         let empty = hash_block_tokens(None, &[1], &[b"", b"ab"]);
         assert_ne!(joined, split);
         assert_ne!(joined, empty);
-        assert_ne!(
-            hash_block_tokens(None, &[1], &[]),
-            hash_block_tokens(None, &[1], &[b""])
-        );
+        assert_ne!(hash_block_tokens(None, &[1], &[]), hash_block_tokens(None, &[1], &[b""]));
     }
 
     #[test]
@@ -151,10 +137,7 @@ mod tests {
         let a: Vec<TokenId> = (0..200).collect();
         let mut b = a.clone();
         b[199] = 7;
-        assert_ne!(
-            hash_block_tokens(None, &a, &[]),
-            hash_block_tokens(None, &b, &[])
-        );
+        assert_ne!(hash_block_tokens(None, &a, &[]), hash_block_tokens(None, &b, &[]));
     }
 
     #[test]
@@ -164,10 +147,7 @@ mod tests {
         assert_eq!(r.block_hashes.len(), 2);
         let first = hash_block_tokens(None, &[0, 1, 2, 3], &[]);
         assert_eq!(r.block_hashes[0], first);
-        assert_eq!(
-            r.block_hashes[1],
-            hash_block_tokens(Some(first), &[4, 5, 6, 7], &[])
-        );
+        assert_eq!(r.block_hashes[1], hash_block_tokens(Some(first), &[4, 5, 6, 7], &[]));
     }
 
     #[test]
@@ -179,15 +159,8 @@ mod tests {
         r.all_token_ids.extend([6, 7, 8, 9]);
         extend_block_hashes(&mut r, 4);
         assert_eq!(r.block_hashes.len(), 2);
-        assert_eq!(
-            r.block_hashes[0],
-            BlockHash(42),
-            "an existing hash was recomputed"
-        );
-        assert_eq!(
-            r.block_hashes[1],
-            hash_block_tokens(Some(BlockHash(42)), &[4, 5, 6, 7], &[])
-        );
+        assert_eq!(r.block_hashes[0], BlockHash(42), "an existing hash was recomputed");
+        assert_eq!(r.block_hashes[1], hash_block_tokens(Some(BlockHash(42)), &[4, 5, 6, 7], &[]));
         assert_ne!(kept, BlockHash(42));
     }
 
@@ -199,10 +172,7 @@ mod tests {
         extend_block_hashes(&mut plain, 4);
         extend_block_hashes(&mut salted, 4);
         assert_ne!(plain.block_hashes[0], salted.block_hashes[0]);
-        assert_ne!(
-            plain.block_hashes[1], salted.block_hashes[1],
-            "salt must chain to later blocks"
-        );
+        assert_ne!(plain.block_hashes[1], salted.block_hashes[1], "salt must chain to later blocks");
     }
 
     #[test]
@@ -210,11 +180,7 @@ mod tests {
         let mut salted = request((0..4).collect());
         salted.cache_salt = Some("x".into());
         let mut with_mm = request((0..4).collect());
-        with_mm.mm_features = vec![MultiModalFeature {
-            identifier: "x".into(),
-            offset: 0,
-            length: 2,
-        }];
+        with_mm.mm_features = vec![MultiModalFeature { identifier: "x".into(), offset: 0, length: 2 }];
         extend_block_hashes(&mut salted, 4);
         extend_block_hashes(&mut with_mm, 4);
         assert_ne!(salted.block_hashes[0], with_mm.block_hashes[0]);
@@ -222,11 +188,7 @@ mod tests {
 
     #[test]
     fn mm_identifier_changes_block_hash() {
-        let feature = |id: &str| MultiModalFeature {
-            identifier: id.into(),
-            offset: 3,
-            length: 3,
-        };
+        let feature = |id: &str| MultiModalFeature { identifier: id.into(), offset: 3, length: 3 };
         let mut a = request((0..12).collect());
         let mut b = request((0..12).collect());
         a.mm_features = vec![feature("img-a")];
@@ -240,20 +202,13 @@ mod tests {
         assert_ne!(a.block_hashes[1], b.block_hashes[1]);
         assert_ne!(a.block_hashes[0], plain.block_hashes[0]);
         let tokens: Vec<TokenId> = (8..12).collect();
-        assert_eq!(
-            a.block_hashes[2],
-            hash_block_tokens(Some(a.block_hashes[1]), &tokens, &[])
-        );
+        assert_eq!(a.block_hashes[2], hash_block_tokens(Some(a.block_hashes[1]), &tokens, &[]));
     }
 
     #[test]
     fn mm_item_outside_block_leaves_hash_alone() {
         let mut a = request((0..8).collect());
-        a.mm_features = vec![MultiModalFeature {
-            identifier: "img".into(),
-            offset: 4,
-            length: 4,
-        }];
+        a.mm_features = vec![MultiModalFeature { identifier: "img".into(), offset: 4, length: 4 }];
         let mut plain = request((0..8).collect());
         extend_block_hashes(&mut a, 4);
         extend_block_hashes(&mut plain, 4);

@@ -106,12 +106,8 @@ impl KVCacheManager {
         }
         extend_block_hashes(req, self.block_size);
         let max_blocks = req.num_tokens().saturating_sub(1) / self.block_size;
-        let hits: Vec<BlockId> = req
-            .block_hashes
-            .iter()
-            .take(max_blocks)
-            .map_while(|h| self.pool.get_cached_block(h))
-            .collect();
+        let hits: Vec<BlockId> =
+            req.block_hashes.iter().take(max_blocks).map_while(|h| self.pool.get_cached_block(h)).collect();
         let num_hit_tokens = hits.len() * self.block_size;
         self.stats.num_requests += 1;
         self.stats.num_queried_tokens += req.num_tokens() as u64;
@@ -139,10 +135,7 @@ impl KVCacheManager {
         let num_held = self.req_blocks.get(idx).map_or(0, Vec::len) + new_computed_blocks.len();
         let num_new_blocks = total.div_ceil(self.block_size).saturating_sub(num_held);
         // Computed blocks nobody holds sit on the free list; touching them takes them off it.
-        let num_revived = new_computed_blocks
-            .iter()
-            .filter(|&&b| self.pool.ref_cnt(b) == 0)
-            .count();
+        let num_revived = new_computed_blocks.iter().filter(|&&b| self.pool.ref_cnt(b) == 0).count();
         if num_new_blocks + num_revived > self.pool.num_free_blocks() {
             return None;
         }
@@ -172,16 +165,11 @@ impl KVCacheManager {
         if req.block_hashes.len() < num_full {
             extend_block_hashes(req, self.block_size);
         }
-        let end = num_full
-            .min(req.block_hashes.len())
-            .min(self.req_blocks[idx].len());
+        let end = num_full.min(req.block_hashes.len()).min(self.req_blocks[idx].len());
         if end <= start {
             return;
         }
-        self.pool.cache_full_blocks(
-            &self.req_blocks[idx][start..end],
-            &req.block_hashes[start..end],
-        );
+        self.pool.cache_full_blocks(&self.req_blocks[idx][start..end], &req.block_hashes[start..end]);
         self.num_registered[idx] = end;
     }
 
@@ -225,9 +213,7 @@ impl KVCacheManager {
                 refs[i] += 1;
             }
             if self.num_registered[idx] > table.len() {
-                return Err(format!(
-                    "request {idx} registered more blocks than it holds"
-                ));
+                return Err(format!("request {idx} registered more blocks than it holds"));
             }
         }
         for (b, &n) in refs.iter().enumerate().skip(1) {
@@ -249,28 +235,16 @@ mod tests {
     const BS: usize = 4;
 
     fn manager(num_blocks: usize, caching: bool) -> KVCacheManager {
-        let cfg = CacheConfig {
-            block_size: BS,
-            num_blocks,
-            enable_prefix_caching: caching,
-        };
+        let cfg = CacheConfig { block_size: BS, num_blocks, enable_prefix_caching: caching };
         KVCacheManager::new(&cfg)
     }
 
     fn request(tokens: Vec<TokenId>) -> Request {
-        Request::new(
-            EngineRequest::new("r", tokens, SamplingOptions::default()),
-            0,
-            1 << 20,
-        )
+        Request::new(EngineRequest::new("r", tokens, SamplingOptions::default()), 0, 1 << 20)
     }
 
     /// Looks up, allocates the whole prompt and marks it computed, as the scheduler would.
-    fn admit(
-        m: &mut KVCacheManager,
-        idx: ReqIdx,
-        req: &mut Request,
-    ) -> Option<(Vec<BlockId>, usize)> {
+    fn admit(m: &mut KVCacheManager, idx: ReqIdx, req: &mut Request) -> Option<(Vec<BlockId>, usize)> {
         let (hits, num_hit) = m.get_computed_blocks(req);
         let num_new = req.num_tokens() - num_hit;
         m.allocate_slots(idx, req, num_new, &hits, num_hit)?;
@@ -299,10 +273,7 @@ mod tests {
         assert_eq!(m.allocate_slots(0, &mut r, 1, &[], 0), Some(vec![]));
         r.num_computed_tokens += 1;
         r.all_token_ids.push(8);
-        assert_eq!(
-            m.allocate_slots(0, &mut r, 1, &[], 0).map(|v| v.len()),
-            Some(1)
-        );
+        assert_eq!(m.allocate_slots(0, &mut r, 1, &[], 0).map(|v| v.len()), Some(1));
         assert_eq!(m.block_ids(0).len(), 3);
         m.check_invariants().unwrap();
     }
@@ -319,14 +290,7 @@ mod tests {
         assert_eq!(hits, a_blocks[..2].to_vec());
         assert_eq!(num_hit, 8);
         let stats = m.prefix_cache_stats();
-        assert_eq!(
-            (
-                stats.num_requests,
-                stats.num_queried_tokens,
-                stats.num_hit_tokens
-            ),
-            (2, 20, 8)
-        );
+        assert_eq!((stats.num_requests, stats.num_queried_tokens, stats.num_hit_tokens), (2, 20, 8));
     }
 
     #[test]
@@ -336,11 +300,7 @@ mod tests {
         admit(&mut m, 0, &mut a).unwrap();
         let mut b = request((0..8).collect());
         let (hits, num_hit) = m.get_computed_blocks(&mut b);
-        assert_eq!(
-            (hits.len(), num_hit),
-            (1, 4),
-            "the last token must be recomputed"
-        );
+        assert_eq!((hits.len(), num_hit), (1, 4), "the last token must be recomputed");
     }
 
     #[test]
@@ -380,13 +340,7 @@ mod tests {
     #[test]
     fn mm_identifier_changes_block_hash() {
         let mut m = manager(10, true);
-        let image = |id: &str| {
-            vec![MultiModalFeature {
-                identifier: id.into(),
-                offset: 2,
-                length: 4,
-            }]
-        };
+        let image = |id: &str| vec![MultiModalFeature { identifier: id.into(), offset: 2, length: 4 }];
         let mut a = request((0..9).collect());
         a.mm_features = image("cat");
         admit(&mut m, 0, &mut a).unwrap();
@@ -429,17 +383,9 @@ mod tests {
         let mut b = request((0..4).chain(50..66).collect());
         let (hits, num_hit) = m.get_computed_blocks(&mut b);
         assert_eq!(hits.len(), 1);
-        let before = (
-            m.num_free_blocks(),
-            m.pool().num_cached_blocks(),
-            m.pool().ref_cnt(hits[0]),
-        );
+        let before = (m.num_free_blocks(), m.pool().num_cached_blocks(), m.pool().ref_cnt(hits[0]));
         assert_eq!(m.allocate_slots(1, &mut b, 16, &hits, num_hit), None);
-        let after = (
-            m.num_free_blocks(),
-            m.pool().num_cached_blocks(),
-            m.pool().ref_cnt(hits[0]),
-        );
+        let after = (m.num_free_blocks(), m.pool().num_cached_blocks(), m.pool().ref_cnt(hits[0]));
         assert_eq!(before, after);
         assert!(m.block_ids(1).is_empty());
         m.check_invariants().unwrap();
@@ -456,11 +402,7 @@ mod tests {
         let (hits, num_hit) = m.get_computed_blocks(&mut b);
         assert_eq!(hits.len(), 2);
         assert_eq!(m.allocate_slots(1, &mut b, 8, &hits, num_hit), None);
-        assert_eq!(
-            m.allocate_slots(1, &mut b, 4, &hits, num_hit)
-                .map(|v| v.len()),
-            Some(3)
-        );
+        assert_eq!(m.allocate_slots(1, &mut b, 4, &hits, num_hit).map(|v| v.len()), Some(3));
         m.check_invariants().unwrap();
     }
 
@@ -475,11 +417,7 @@ mod tests {
         let got = m.allocate_slots(1, &mut other, 4, &[], 0).unwrap();
         assert_eq!(got, vec![table[2]]);
         let mut again = request((0..12).collect());
-        assert_eq!(
-            m.get_computed_blocks(&mut again).1,
-            8,
-            "the prefix must survive"
-        );
+        assert_eq!(m.get_computed_blocks(&mut again).1, 8, "the prefix must survive");
     }
 
     #[test]

@@ -97,11 +97,7 @@ fn id_list(file: &SideFile, obj: &Value, key: &str) -> CoreResult<Vec<TokenId>> 
             file.path
         ))
     };
-    let as_id = |v: &Value| {
-        v.as_u64()
-            .and_then(|n| TokenId::try_from(n).ok())
-            .ok_or_else(|| bad(v))
-    };
+    let as_id = |v: &Value| v.as_u64().and_then(|n| TokenId::try_from(n).ok()).ok_or_else(|| bad(v));
     match obj.get(key) {
         None | Some(Value::Null) => Ok(Vec::new()),
         Some(Value::Array(items)) => items.iter().map(as_id).collect(),
@@ -160,10 +156,7 @@ mod tests {
     fn config_json_used_when_generation_config_lacks_eos() {
         let dir = TempDir::new();
         dir.write("generation_config.json", r#"{"bos_token_id": 1}"#);
-        dir.write(
-            "config.json",
-            r#"{"text_config": {"eos_token_id": [5, 6]}}"#,
-        );
+        dir.write("config.json", r#"{"text_config": {"eos_token_id": [5, 6]}}"#);
         let ids = read_special_ids(dir.path(), lookup).unwrap();
         assert_eq!(ids.eos, vec![5, 6]);
         assert_eq!(ids.bos, Some(1));
@@ -177,47 +170,28 @@ mod tests {
             r#"{"eos_token": {"content": "</s>", "special": true}, "bos_token": "<s>"}"#,
         );
         let ids = read_special_ids(dir.path(), lookup).unwrap();
-        assert_eq!(
-            ids,
-            SpecialIds {
-                eos: vec![2],
-                bos: Some(1)
-            }
-        );
+        assert_eq!(ids, SpecialIds { eos: vec![2], bos: Some(1) });
     }
 
     #[test]
     fn no_side_files_means_no_eos() {
         let dir = TempDir::new();
-        assert_eq!(
-            read_special_ids(dir.path(), lookup).unwrap(),
-            SpecialIds::default()
-        );
+        assert_eq!(read_special_ids(dir.path(), lookup).unwrap(), SpecialIds::default());
     }
 
     #[test]
     fn wrong_type_names_the_file_and_field() {
         let dir = TempDir::new();
         dir.write("generation_config.json", r#"{"eos_token_id": "two"}"#);
-        let err = read_special_ids(dir.path(), lookup)
-            .unwrap_err()
-            .to_string();
-        assert!(
-            err.contains("generation_config.json") && err.contains("eos_token_id"),
-            "{err}"
-        );
+        let err = read_special_ids(dir.path(), lookup).unwrap_err().to_string();
+        assert!(err.contains("generation_config.json") && err.contains("eos_token_id"), "{err}");
     }
 
     #[test]
     fn invalid_json_names_the_file() {
         let dir = TempDir::new();
         dir.write("tokenizer_config.json", "{not json");
-        let err = read_special_ids(dir.path(), lookup)
-            .unwrap_err()
-            .to_string();
-        assert!(
-            err.contains("tokenizer_config.json") && err.contains("not valid JSON"),
-            "{err}"
-        );
+        let err = read_special_ids(dir.path(), lookup).unwrap_err().to_string();
+        assert!(err.contains("tokenizer_config.json") && err.contains("not valid JSON"), "{err}");
     }
 }

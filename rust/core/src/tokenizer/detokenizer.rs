@@ -56,14 +56,9 @@ impl IncrementalDetokenizer {
                 st.prime(tok, table, prompt_ids, skip_special_tokens);
                 State::Table(st)
             }
-            DecodePlan::Window => {
-                State::Window(WindowState::new(tok, prompt_ids, skip_special_tokens))
-            }
+            DecodePlan::Window => State::Window(WindowState::new(tok, prompt_ids, skip_special_tokens)),
         };
-        IncrementalDetokenizer {
-            skip_special_tokens,
-            state,
-        }
+        IncrementalDetokenizer { skip_special_tokens, state }
     }
 
     /// Feeds one token and appends only complete UTF-8 text to `out`; returns bytes appended.
@@ -75,9 +70,7 @@ impl IncrementalDetokenizer {
             (State::Table(st), DecodePlan::Table(table)) => {
                 st.step(tok, table, id, self.skip_special_tokens, out)
             }
-            (State::Window(st), DecodePlan::Window) => {
-                st.step(tok, id, self.skip_special_tokens, out)
-            }
+            (State::Window(st), DecodePlan::Window) => st.step(tok, id, self.skip_special_tokens, out),
             _ => {}
         }
         out.len() - before
@@ -127,14 +120,7 @@ impl TableState {
     }
 
     #[inline]
-    fn step(
-        &mut self,
-        tok: &Tokenizer,
-        table: &PieceTable,
-        id: TokenId,
-        skip: bool,
-        out: &mut String,
-    ) {
+    fn step(&mut self, tok: &Tokenizer, table: &PieceTable, id: TokenId, skip: bool, out: &mut String) {
         let (piece, special) = table.piece(id);
         if special && skip {
             return;
@@ -168,12 +154,9 @@ impl TableState {
         let first = !self.seen_any;
         match piece {
             Piece::Missing => return,
-            Piece::Text(_)
-                if first && matches!(table.start_rule, StartRule::DropReplacementInFirst(_)) =>
-            {
+            Piece::Text(_) if first && matches!(table.start_rule, StartRule::DropReplacementInFirst(_)) => {
                 let token = tok.id_to_token(id).unwrap_or_default();
-                self.pending
-                    .extend_from_slice(&table.token_bytes(&token, true));
+                self.pending.extend_from_slice(&table.token_bytes(&token, true));
             }
             Piece::Text(s) => self.pending.extend_from_slice(s.as_bytes()),
             Piece::Bytes(b) => self.pending.extend_from_slice(b),
@@ -271,42 +254,23 @@ mod tests {
         tok.token_to_id(&c.to_string()).unwrap()
     }
 
-    fn assert_streams_in_context(
-        tok: &Tokenizer,
-        prompt: &[TokenId],
-        output: &[TokenId],
-        skip: bool,
-    ) {
+    fn assert_streams_in_context(tok: &Tokenizer, prompt: &[TokenId], output: &[TokenId], skip: bool) {
         let (pieces, rest) = stream(tok, prompt, output, skip);
         for piece in &pieces {
-            assert!(
-                !piece.contains('\u{FFFD}'),
-                "broken character emitted in {pieces:?}"
-            );
+            assert!(!piece.contains('\u{FFFD}'), "broken character emitted in {pieces:?}");
         }
         assert_eq!(rest, "");
-        assert_eq!(
-            pieces.concat(),
-            decode_in_context(tok, prompt, output, skip)
-        );
+        assert_eq!(pieces.concat(), decode_in_context(tok, prompt, output, skip));
     }
 
     #[test]
     fn byte_level_emoji_and_cjk_split_across_tokens_are_never_emitted_broken() {
         let tok = test_support::byte_level_tokenizer();
-        let DecodePlan::Table(table) = tok.plan() else {
-            panic!("expected a table")
-        };
+        let DecodePlan::Table(table) = tok.plan() else { panic!("expected a table") };
         let prompt = encode(&tok, "Hello, my name is", false);
         let output = encode(&tok, " 你好 🎉🇫🇷 👨‍👩‍👧 鬱 ∞ done", false);
-        let split = output
-            .iter()
-            .filter(|&&id| matches!(table.piece(id).0, Piece::Bytes(_)))
-            .count();
-        assert!(
-            split >= 3,
-            "the test text should split characters across tokens"
-        );
+        let split = output.iter().filter(|&&id| matches!(table.piece(id).0, Piece::Bytes(_))).count();
+        assert!(split >= 3, "the test text should split characters across tokens");
         assert_streams_in_context(&tok, &prompt, &output, false);
     }
 
@@ -316,10 +280,8 @@ mod tests {
         let prompt = encode(&tok, "Hello", true);
         let mut detok = tok.new_detokenizer(&prompt, true);
         let mut out = String::new();
-        let ids: Vec<TokenId> = ["<0xE4>", "<0xB8>", "<0xAD>"]
-            .iter()
-            .map(|t| tok.token_to_id(t).unwrap())
-            .collect();
+        let ids: Vec<TokenId> =
+            ["<0xE4>", "<0xB8>", "<0xAD>"].iter().map(|t| tok.token_to_id(t).unwrap()).collect();
         assert_eq!(detok.step(&tok, ids[0], &mut out), 0);
         assert_eq!(detok.step(&tok, ids[1], &mut out), 0);
         assert_eq!(detok.step(&tok, ids[2], &mut out), 3);
@@ -346,10 +308,7 @@ mod tests {
         let tok = test_support::metaspace_tokenizer();
         let output = encode(&tok, "Hello the world", false);
         assert_streams_in_context(&tok, &[], &output, false);
-        assert_eq!(
-            stream(&tok, &[], &output, false).0.concat(),
-            "Hello the world"
-        );
+        assert_eq!(stream(&tok, &[], &output, false).0.concat(), "Hello the world");
         let prompt = encode(&tok, "in", false);
         assert_streams_in_context(&tok, &prompt, &output, false);
     }
@@ -386,19 +345,11 @@ mod tests {
     fn incomplete_tail_is_released_by_flush() {
         let tok = test_support::byte_level_tokenizer();
         let prompt = encode(&tok, "Hi", false);
-        let (pieces, rest) = stream(
-            &tok,
-            &prompt,
-            &[byte_token(&tok, 0xF0), byte_token(&tok, 0x9F)],
-            false,
-        );
+        let (pieces, rest) = stream(&tok, &prompt, &[byte_token(&tok, 0xF0), byte_token(&tok, 0x9F)], false);
         assert_eq!(pieces.concat(), "");
         assert_eq!(rest, "\u{FFFD}");
         let sp = test_support::sentencepiece_tokenizer();
-        let bytes: Vec<TokenId> = ["<0xF0>", "<0x9F>"]
-            .iter()
-            .map(|t| sp.token_to_id(t).unwrap())
-            .collect();
+        let bytes: Vec<TokenId> = ["<0xF0>", "<0x9F>"].iter().map(|t| sp.token_to_id(t).unwrap()).collect();
         assert_eq!(stream(&sp, &[1], &bytes, true).1, "\u{FFFD}\u{FFFD}");
     }
 

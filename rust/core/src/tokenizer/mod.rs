@@ -62,9 +62,8 @@ impl Tokenizer {
     }
 
     fn parse(json: &str, source: &str) -> CoreResult<Self> {
-        let hf = tokenizers::Tokenizer::from_str(json).map_err(|e| {
-            CoreError::Tokenizer(format!("{source} is not a valid tokenizer.json: {e}"))
-        })?;
+        let hf = tokenizers::Tokenizer::from_str(json)
+            .map_err(|e| CoreError::Tokenizer(format!("{source} is not a valid tokenizer.json: {e}")))?;
         Ok(Self::from_hf(hf))
     }
 
@@ -72,13 +71,7 @@ impl Tokenizer {
     pub fn from_hf(hf: tokenizers::Tokenizer) -> Self {
         let plan = DecodePlan::build(&hf);
         let vocab_size = hf.get_vocab_size(true);
-        Tokenizer {
-            hf,
-            plan,
-            eos_token_ids: Vec::new(),
-            bos_token_id: None,
-            vocab_size,
-        }
+        Tokenizer { hf, plan, eos_token_ids: Vec::new(), bos_token_id: None, vocab_size }
     }
 
     /// Replaces the EOS ids (first = primary EOS); duplicates are dropped.
@@ -130,9 +123,9 @@ impl Tokenizer {
 
     /// Decodes `ids` to text; special tokens are dropped when `skip_special_tokens`.
     pub fn decode(&self, ids: &[TokenId], skip_special_tokens: bool) -> CoreResult<String> {
-        self.hf.decode(ids, skip_special_tokens).map_err(|e| {
-            CoreError::Tokenizer(format!("could not decode {} token ids: {e}", ids.len()))
-        })
+        self.hf
+            .decode(ids, skip_special_tokens)
+            .map_err(|e| CoreError::Tokenizer(format!("could not decode {} token ids: {e}", ids.len())))
     }
 
     /// A detokenizer for one output sequence that follows `prompt_ids`.
@@ -156,9 +149,7 @@ impl Tokenizer {
 
     /// Whether `id` is a special token (one that `skip_special_tokens` drops).
     pub fn is_special(&self, id: TokenId) -> bool {
-        self.hf
-            .id_to_token(id)
-            .is_some_and(|t| self.hf.get_added_vocabulary().is_special_token(&t))
+        self.hf.id_to_token(id).is_some_and(|t| self.hf.get_added_vocabulary().is_special_token(&t))
     }
 
     /// The wrapped Hugging Face tokenizer.
@@ -201,9 +192,8 @@ mod tests {
     #[test]
     fn encode_batch_keeps_input_order() {
         let tok = test_support::byte_level_tokenizer();
-        let prompts: Vec<String> = (0..64)
-            .map(|i| format!("prompt {i}: {}", "hello world ".repeat(i % 7)))
-            .collect();
+        let prompts: Vec<String> =
+            (0..64).map(|i| format!("prompt {i}: {}", "hello world ".repeat(i % 7))).collect();
         let batch = tok.encode_batch(&prompts, false).unwrap();
         for (prompt, ids) in prompts.iter().zip(&batch) {
             assert_eq!(&tok.decode(ids, false).unwrap(), prompt);
@@ -216,10 +206,7 @@ mod tests {
         let dir = TempDir::new();
         dir.write("tokenizer.json", &tok.hf().to_string(false).unwrap());
         dir.write("generation_config.json", r#"{"eos_token_id": [3, 2]}"#);
-        dir.write(
-            "tokenizer_config.json",
-            r#"{"bos_token": {"content": "<s>"}, "eos_token": "</s>"}"#,
-        );
+        dir.write("tokenizer_config.json", r#"{"bos_token": {"content": "<s>"}, "eos_token": "</s>"}"#);
         let loaded = Tokenizer::from_dir(dir.path()).unwrap();
         assert_eq!(loaded.eos_token_ids(), &[3, 2]);
         assert_eq!(loaded.bos_token_id(), tok.token_to_id("<s>"));
@@ -230,10 +217,7 @@ mod tests {
         let tok = test_support::byte_level_tokenizer();
         let dir = TempDir::new();
         dir.write("tokenizer.json", &tok.hf().to_string(false).unwrap());
-        dir.write(
-            "tokenizer_config.json",
-            r#"{"eos_token": {"content": "</s>", "lstrip": false}}"#,
-        );
+        dir.write("tokenizer_config.json", r#"{"eos_token": {"content": "</s>", "lstrip": false}}"#);
         let loaded = Tokenizer::from_dir(dir.path()).unwrap();
         assert_eq!(loaded.eos_token_ids(), &[tok.token_to_id("</s>").unwrap()]);
     }

@@ -41,12 +41,7 @@ pub fn find_stop_string(text: &str, new_len: usize, stops: &[String]) -> Option<
 
 /// Bytes a streaming output must hold back so that no partial stop string is ever emitted.
 pub fn hold_back_len(stops: &[String]) -> usize {
-    stops
-        .iter()
-        .map(String::len)
-        .max()
-        .unwrap_or(0)
-        .saturating_sub(1)
+    stops.iter().map(String::len).max().unwrap_or(0).saturating_sub(1)
 }
 
 /// The smallest char boundary of `text` at or after `i` (or `text.len()`).
@@ -69,14 +64,8 @@ mod tests {
     #[test]
     fn stop_string_straddling_two_tokens_is_found() {
         let tok = test_support::byte_level_tokenizer();
-        let prompt = tok
-            .encode_batch(&["Say:".to_string()], false)
-            .unwrap()
-            .remove(0);
-        let output = tok
-            .encode_batch(&[" hello world, bye".to_string()], false)
-            .unwrap()
-            .remove(0);
+        let prompt = tok.encode_batch(&["Say:".to_string()], false).unwrap().remove(0);
+        let output = tok.encode_batch(&[" hello world, bye".to_string()], false).unwrap().remove(0);
         let stop_list = stops(&["lo wor"]);
         let mut detok = tok.new_detokenizer(&prompt, false);
         let mut text = String::new();
@@ -90,43 +79,22 @@ mod tests {
         }
         let (m, n) = found.expect("stop string found");
         assert_eq!(&text[m.start..m.start + 6], "lo wor");
-        assert!(
-            m.start < text.len() - n,
-            "the match straddles the last token"
-        );
+        assert!(m.start < text.len() - n, "the match straddles the last token");
     }
 
     #[test]
     fn earliest_completing_stop_wins_over_earlier_starting_one() {
         let text = "say hello world";
         let m = find_stop_string(text, text.len(), &stops(&["hello world", "wor"])).unwrap();
-        assert_eq!(
-            m,
-            StopMatch {
-                start: 10,
-                stop_index: 1
-            }
-        );
+        assert_eq!(m, StopMatch { start: 10, stop_index: 1 });
     }
 
     #[test]
     fn stops_completing_together_go_to_the_earlier_listed() {
         let m = find_stop_string("xabcd", 2, &stops(&["cd", "bcd"])).unwrap();
-        assert_eq!(
-            m,
-            StopMatch {
-                start: 3,
-                stop_index: 0
-            }
-        );
+        assert_eq!(m, StopMatch { start: 3, stop_index: 0 });
         let m = find_stop_string("xabcd", 2, &stops(&["bcd", "cd"])).unwrap();
-        assert_eq!(
-            m,
-            StopMatch {
-                start: 2,
-                stop_index: 0
-            }
-        );
+        assert_eq!(m, StopMatch { start: 2, stop_index: 0 });
     }
 
     #[test]
@@ -141,21 +109,9 @@ mod tests {
     fn search_start_snaps_to_char_boundaries() {
         let text = "中文停止";
         let m = find_stop_string(text, 3, &stops(&["止", "文停止"])).unwrap();
-        assert_eq!(
-            m,
-            StopMatch {
-                start: 9,
-                stop_index: 0
-            }
-        );
+        assert_eq!(m, StopMatch { start: 9, stop_index: 0 });
         let m = find_stop_string(text, 3, &stops(&["x", "停止"])).unwrap();
-        assert_eq!(
-            m,
-            StopMatch {
-                start: 6,
-                stop_index: 1
-            }
-        );
+        assert_eq!(m, StopMatch { start: 6, stop_index: 1 });
     }
 
     #[test]

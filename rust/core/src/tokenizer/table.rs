@@ -133,16 +133,12 @@ fn add_sequence_step(rules: &mut Rules, step: &DecoderWrapper) -> Option<()> {
             if pattern.is_empty() {
                 return None;
             }
-            rules
-                .transforms
-                .push(Transform::Replace { pattern, content });
+            rules.transforms.push(Transform::Replace { pattern, content });
         }
         DecoderWrapper::Metaspace(meta) if per_token_ok => {
             let rep = meta.get_replacement();
             rules.transforms.push(Transform::Metaspace(rep));
-            if meta.get_prepend_scheme()
-                != tokenizers::pre_tokenizers::metaspace::PrependScheme::Never
-            {
+            if meta.get_prepend_scheme() != tokenizers::pre_tokenizers::metaspace::PrependScheme::Never {
                 set_start_rule(rules, StartRule::DropReplacementInFirst(rep))?;
             }
         }
@@ -152,10 +148,7 @@ fn add_sequence_step(rules: &mut Rules, step: &DecoderWrapper) -> Option<()> {
         DecoderWrapper::Fuse(_) => rules.fused = true,
         DecoderWrapper::Strip(strip) if rules.fused && strip.stop == 0 => {
             if strip.start > 0 {
-                let rule = StartRule::StripLeading {
-                    content: strip.content,
-                    count: strip.start,
-                };
+                let rule = StartRule::StripLeading { content: strip.content, count: strip.start };
                 set_start_rule(rules, rule)?;
             }
         }
@@ -175,11 +168,7 @@ fn set_start_rule(rules: &mut Rules, rule: StartRule) -> Option<()> {
 impl PieceTable {
     fn build(hf: &HfTokenizer, rules: Rules) -> Self {
         let added = hf.get_added_vocabulary();
-        let max_added = added
-            .get_added_tokens_decoder()
-            .keys()
-            .max()
-            .map_or(0, |id| *id as usize + 1);
+        let max_added = added.get_added_tokens_decoder().keys().max().map_or(0, |id| *id as usize + 1);
         let len = hf.get_vocab_size(false).max(max_added);
         let mut table = PieceTable {
             text: String::new(),
@@ -188,11 +177,7 @@ impl PieceTable {
             transforms: rules.transforms,
             byte_level: rules.byte_level,
             byte_fallback: rules.byte_fallback,
-            invalid: if rules.byte_fallback {
-                InvalidBytes::PerByte
-            } else {
-                InvalidBytes::Lossy
-            },
+            invalid: if rules.byte_fallback { InvalidBytes::PerByte } else { InvalidBytes::Lossy },
             start_rule: rules.start_rule.unwrap_or(StartRule::None),
         };
         for id in 0..len as u32 {
@@ -202,12 +187,7 @@ impl PieceTable {
                     let bytes = table.token_bytes(&token, false);
                     table.push(bytes, special)
                 }
-                None => Entry {
-                    start: 0,
-                    len: 0,
-                    is_text: false,
-                    special: true,
-                },
+                None => Entry { start: 0, len: 0, is_text: false, special: true },
             };
             table.entries.push(entry);
         }
@@ -219,23 +199,13 @@ impl PieceTable {
             Ok(s) => {
                 let start = self.text.len() as u32;
                 self.text.push_str(&s);
-                Entry {
-                    start,
-                    len: s.len() as u32,
-                    is_text: true,
-                    special,
-                }
+                Entry { start, len: s.len() as u32, is_text: true, special }
             }
             Err(e) => {
                 let start = self.bytes.len() as u32;
                 let bytes = e.into_bytes();
                 self.bytes.extend_from_slice(&bytes);
-                Entry {
-                    start,
-                    len: bytes.len() as u32,
-                    is_text: false,
-                    special,
-                }
+                Entry { start, len: bytes.len() as u32, is_text: false, special }
             }
         }
     }
@@ -305,9 +275,7 @@ mod tests {
     #[test]
     fn byte_level_decoder_builds_a_table() {
         let tok = test_support::byte_level_tokenizer();
-        let DecodePlan::Table(table) = tok.plan() else {
-            panic!("expected a table")
-        };
+        let DecodePlan::Table(table) = tok.plan() else { panic!("expected a table") };
         assert_eq!(table.start_rule, StartRule::None);
         assert_eq!(table.invalid, InvalidBytes::Lossy);
     }
@@ -315,16 +283,8 @@ mod tests {
     #[test]
     fn llama_style_sequence_builds_a_table_with_strip_rule() {
         let tok = test_support::sentencepiece_tokenizer();
-        let DecodePlan::Table(table) = tok.plan() else {
-            panic!("expected a table")
-        };
-        assert_eq!(
-            table.start_rule,
-            StartRule::StripLeading {
-                content: ' ',
-                count: 1
-            }
-        );
+        let DecodePlan::Table(table) = tok.plan() else { panic!("expected a table") };
+        assert_eq!(table.start_rule, StartRule::StripLeading { content: ' ', count: 1 });
         assert_eq!(table.invalid, InvalidBytes::PerByte);
         let id = tok.token_to_id("<0xE4>").unwrap();
         assert_eq!(table.piece(id), (Piece::Bytes(&[0xE4]), false));

@@ -52,14 +52,10 @@ fn train_byte_level() -> tokenizers::Tokenizer {
         .min_frequency(2)
         .show_progress(false)
         .initial_alphabet(ByteLevel::alphabet().into_iter().collect())
-        .special_tokens(vec![
-            AddedToken::from("<s>", true),
-            AddedToken::from("</s>", true),
-        ])
+        .special_tokens(vec![AddedToken::from("<s>", true), AddedToken::from("</s>", true)])
         .build()
         .into();
-    hf.train(&mut trainer, CORPUS.iter())
-        .expect("training the test tokenizer");
+    hf.train(&mut trainer, CORPUS.iter()).expect("training the test tokenizer");
     hf.add_tokens(&[AddedToken::from("<extra>", false)]);
     hf
 }
@@ -84,10 +80,8 @@ pub(crate) fn sentencepiece_tokenizer() -> Tokenizer {
 
 /// The same vocabulary without byte fallback, decoded by a `Metaspace` decoder.
 pub(crate) fn metaspace_tokenizer() -> Tokenizer {
-    let meta =
-        json!({"type": "Metaspace", "replacement": "▁", "prepend_scheme": "always", "split": true});
-    Tokenizer::from_json_str(&sentencepiece_json(false, meta.clone(), meta))
-        .expect("valid test JSON")
+    let meta = json!({"type": "Metaspace", "replacement": "▁", "prepend_scheme": "always", "split": true});
+    Tokenizer::from_json_str(&sentencepiece_json(false, meta.clone(), meta)).expect("valid test JSON")
 }
 
 fn sentencepiece_json(byte_fallback: bool, pre_tokenizer: Value, decoder: Value) -> String {
@@ -100,9 +94,7 @@ fn sentencepiece_json(byte_fallback: bool, pre_tokenizer: Value, decoder: Value)
         add(t);
     }
     (0..=255u8).for_each(|b| add(&format!("<0x{b:02X}>")));
-    "▁abcdefghijklmnopqrstuvwxyzHTW,.!?'文"
-        .chars()
-        .for_each(|c| add(&c.to_string()));
+    "▁abcdefghijklmnopqrstuvwxyzHTW,.!?'文".chars().for_each(|c| add(&c.to_string()));
     let pairs = [
         ("▁", "t"),
         ("h", "e"),
@@ -153,15 +145,10 @@ fn sentencepiece_json(byte_fallback: bool, pre_tokenizer: Value, decoder: Value)
 
 /// A BERT-style WordPiece tokenizer (its decoder is not table-decodable).
 pub(crate) fn wordpiece_tokenizer() -> Tokenizer {
-    let words = [
-        "[UNK]", "[CLS]", "[SEP]", "hello", "world", "play", "##ing", "##ed", "the", "game", "we",
-        "##s",
-    ];
-    let vocab: serde_json::Map<String, Value> = words
-        .iter()
-        .enumerate()
-        .map(|(i, w)| (w.to_string(), json!(i)))
-        .collect();
+    let words =
+        ["[UNK]", "[CLS]", "[SEP]", "hello", "world", "play", "##ing", "##ed", "the", "game", "we", "##s"];
+    let vocab: serde_json::Map<String, Value> =
+        words.iter().enumerate().map(|(i, w)| (w.to_string(), json!(i))).collect();
     let special = |id: u32, content: &str| {
         json!({"id": id, "content": content, "single_word": false, "lstrip": false,
                "rstrip": false, "normalized": false, "special": true})
@@ -179,9 +166,7 @@ pub(crate) fn wordpiece_tokenizer() -> Tokenizer {
 
 /// `text` encoded, as one prompt.
 pub(crate) fn encode(tok: &Tokenizer, text: &str, add_special_tokens: bool) -> Vec<TokenId> {
-    let mut batch = tok
-        .encode_batch(&[text.to_string()], add_special_tokens)
-        .expect("encode");
+    let mut batch = tok.encode_batch(&[text.to_string()], add_special_tokens).expect("encode");
     batch.pop().unwrap_or_default()
 }
 
@@ -203,10 +188,7 @@ pub(crate) fn decode_in_context(
     let all: Vec<TokenId> = prompt.iter().chain(output).copied().collect();
     let full = tok.decode(&all, skip).expect("decode");
     let head = tok.decode(prompt, skip).expect("decode");
-    assert!(
-        full.starts_with(&head),
-        "{full:?} does not start with {head:?}"
-    );
+    assert!(full.starts_with(&head), "{full:?} does not start with {head:?}");
     full[head.len()..].to_string()
 }
 

@@ -31,11 +31,7 @@ impl WindowState {
     pub(super) fn new(tok: &Tokenizer, prompt: &[TokenId], skip: bool) -> Self {
         let ids = prompt[prompt.len().saturating_sub(WINDOW_SEED_TOKENS)..].to_vec();
         let prefix_text = tok.decode(&ids, skip).unwrap_or_default();
-        WindowState {
-            read_offset: ids.len(),
-            ids,
-            prefix_text,
-        }
+        WindowState { read_offset: ids.len(), ids, prefix_text }
     }
 
     pub(super) fn step(&mut self, tok: &Tokenizer, id: TokenId, skip: bool, out: &mut String) {
@@ -89,10 +85,7 @@ mod tests {
         let output = encode(&tok, "played the games playing", false);
         let (pieces, rest) = stream(&tok, &prompt, &output, true);
         assert_eq!(pieces.concat(), " played the games playing");
-        assert_eq!(
-            pieces.concat(),
-            decode_in_context(&tok, &prompt, &output, true)
-        );
+        assert_eq!(pieces.concat(), decode_in_context(&tok, &prompt, &output, true));
         assert_eq!(rest, "");
     }
 
@@ -104,10 +97,7 @@ mod tests {
         let output = encode(&tok, " 你好 🎉🇫🇷 👨‍👩‍👧 鬱 done", false);
         let (pieces, rest) = stream(&tok, &prompt, &output, false);
         assert!(pieces.iter().all(|p| !p.contains('\u{FFFD}')), "{pieces:?}");
-        assert_eq!(
-            pieces.concat() + &rest,
-            decode_in_context(&tok, &prompt, &output, false)
-        );
+        assert_eq!(pieces.concat() + &rest, decode_in_context(&tok, &prompt, &output, false));
     }
 
     #[test]
@@ -119,9 +109,6 @@ mod tests {
         let (pieces, rest) = stream(&tok, &prompt, &output, false);
         assert_eq!(pieces[..3].concat(), "");
         assert_eq!(pieces[3], "\u{FFFD}".repeat(4));
-        assert_eq!(
-            pieces.concat() + &rest,
-            decode_in_context(&tok, &prompt, &output, false)
-        );
+        assert_eq!(pieces.concat() + &rest, decode_in_context(&tok, &prompt, &output, false));
     }
 }

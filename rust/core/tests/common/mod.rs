@@ -3,7 +3,9 @@
 
 use ferrollm_core::engine::{EngineCore, ModelRunner, RequestOutput};
 use ferrollm_core::scheduler::SchedulerOutput;
-use ferrollm_core::{CacheConfig, CoreResult, EngineConfig, EngineRequest, SamplingOptions, SchedulerConfig, TokenId};
+use ferrollm_core::{
+    CacheConfig, CoreResult, EngineConfig, EngineRequest, SamplingOptions, SchedulerConfig, TokenId,
+};
 
 pub const VOCAB: i64 = 1000;
 
@@ -33,7 +35,13 @@ impl ModelRunner for EchoRunner {
     }
 }
 
-pub fn config(block_size: usize, num_blocks: usize, max_num_seqs: usize, budget: usize, max_model_len: usize) -> EngineConfig {
+pub fn config(
+    block_size: usize,
+    num_blocks: usize,
+    max_num_seqs: usize,
+    budget: usize,
+    max_model_len: usize,
+) -> EngineConfig {
     EngineConfig {
         cache: CacheConfig { block_size, num_blocks, enable_prefix_caching: true },
         scheduler: SchedulerConfig {
