@@ -34,6 +34,9 @@ def test_prefix_hit_serves_48_shared_tokens_and_ref_counts_blocks_twice():
     outputs, _ = run_engine(engine)
     cached = {o.request_id: o.num_cached_tokens for o in outputs}
     assert cached == {"a": 0, "b": 48}
+    stats = engine.stats()
+    assert stats["prefix_cache_hit_tokens"] == 48
+    assert stats["num_free_blocks"] == 63 and stats["num_running"] == 0
 
 
 def test_chunked_prefill_splits_the_prompt_and_keeps_the_tokens():

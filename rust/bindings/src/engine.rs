@@ -161,6 +161,10 @@ impl PyEngineCore {
         d.set_item("num_preemptions", s.num_preemptions)?;
         d.set_item("num_free_blocks", s.num_free_blocks)?;
         d.set_item("kv_cache_usage", kv.usage())?;
+        let prefix = kv.prefix_cache_stats();
+        d.set_item("prefix_cache_queried_tokens", prefix.num_queried_tokens)?;
+        d.set_item("prefix_cache_hit_tokens", prefix.num_hit_tokens)?;
+        d.set_item("prefix_cache_hit_rate", prefix.hit_rate())?;
         Ok(d)
     }
 
