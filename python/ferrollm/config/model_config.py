@@ -1,0 +1,127 @@
+"""`ModelConfig`: the HF config of the model to run, with `hf_overrides` applied, its
+architecture resolved, and the dtype and `max_model_len` decided."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ferrollm.config.model_source import ModelSource
+from ferrollm.exceptions import ConfigError
+
+HfOverrides = Mapping[str, Any] | Callable[[Any], Any] | None
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "fp16": torch.float16,
+}
+
+
+def apply_hf_overrides(hf_config: Any, overrides: HfOverrides) -> Any:
+    """Applies `hf_overrides` as vLLM does: a dict is merged into the config (nested dicts merge
+    into nested configs and dict attributes), a callable receives the config and returns it."""
+    if overrides is None:
+        return hf_config
+    if callable(overrides):
+        return overrides(hf_config)
+    if not isinstance(overrides, Mapping):
+        raise ConfigError(f"`hf_overrides` must be a dict or a callable. Given: {type(overrides).__name__}")
+    for key, value in overrides.items():
+        current = getattr(hf_config, key, None)
+        if isinstance(value, Mapping) and isinstance(current, Mapping):
+            merged = copy.deepcopy(dict(current))
+            merged.update(value)
+            setattr(hf_config, key, merged)
+        elif isinstance(value, Mapping) and current is not None and hasattr(current, "to_dict"):
+            apply_hf_overrides(current, value)
+        else:
+            setattr(hf_config, key, value)
+    return hf_config
+
+
+def resolve_dtype(dtype: str | torch.dtype, config_dtype: Any, device: torch.device) -> torch.dtype:
+    """`auto` keeps the checkpoint's dtype on CUDA (fp32 checkpoints run in bf16) and runs fp32
+    on the CPU, where fp32 matmuls are several times faster than bf16 without native support."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype != "auto":
+        if dtype not in _DTYPES:
+            raise ConfigError(f"`dtype` must be 'auto' or one of {sorted(_DTYPES)}. Given: {dtype!r}")
+        return _DTYPES[dtype]
+    if device.type == "cpu":
+        return torch.float32
+    cfg = config_dtype if isinstance(config_dtype, torch.dtype) else _DTYPES.get(str(config_dtype), torch.bfloat16)
+    return torch.bfloat16 if cfg == torch.float32 else cfg
+
+
+def derive_max_model_len(hf_config: Any) -> int:
+    """The longest sequence the checkpoint supports, from its config."""
+    text = getattr(hf_config, "text_config", None) or hf_config
+    for key in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "max_sequence_length"):
+        value = getattr(text, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return 2048
+
+
+@dataclass
+class ModelConfig:
+    """What the engine needs to know about the model.
+
+    Attributes:
+        source: where the files are.
+        hf_config: the transformers config, overrides applied.
+        architecture: the architecture chosen from `hf_config.architectures`.
+        dtype: the dtype weights and activations run in.
+        max_model_len: the longest sequence (prompt + output) a request may reach.
+    """
+
+    source: ModelSource
+    hf_config: Any
+    architecture: str
+    dtype: torch.dtype
+    max_model_len: int
+
+
+def build_model_config(
+    source: ModelSource,
+    hf_config: Any,
+    *,
+    hf_overrides: HfOverrides,
+    dtype: str | torch.dtype,
+    max_model_len: int | None,
+    device: torch.device,
+) -> ModelConfig:
+    """Applies overrides, resolves the architecture and checks `max_model_len` against the model.
+
+    Raises:
+        ConfigError: an unknown architecture (naming it, the supported list and `hf_overrides`),
+            an unknown dtype, or a `max_model_len` above what the model supports.
+    """
+    from ferrollm.model_executor.registry import ModelRegistry
+
+    hf_config = apply_hf_overrides(hf_config, hf_overrides)
+    architectures = list(getattr(hf_config, "architectures", None) or [])
+    architecture = ModelRegistry.resolve_name(architectures)
+    derived = derive_max_model_len(hf_config)
+    if max_model_len is None:
+        max_model_len = derived
+    elif max_model_len < 2:
+        raise ConfigError(f"`max_model_len` must be >= 2. Given: {max_model_len}")
+    elif max_model_len > derived:
+        raise ConfigError(
+            f"`max_model_len` must be <= {derived}, the model's maximum (max_position_embeddings "
+            f"in its config). Given: {max_model_len}"
+        )
+    resolved = resolve_dtype(dtype, getattr(hf_config, "torch_dtype", None) or getattr(hf_config, "dtype", None), device)
+    return ModelConfig(source, hf_config, architecture, resolved, max_model_len)
