@@ -12,7 +12,7 @@ import enum
 import logging
 import math
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, cast
 
 from ferrollm._core import SamplingOptions
 from ferrollm.exceptions import InvalidRequestError
@@ -254,7 +254,7 @@ class SamplingParams:
                 raise _invalid(name, ">= 0, -1 (whole vocabulary) or None", value)
 
     def _verify_stops(self) -> None:
-        if any(not s for s in self.stop):
+        if any(not s for s in self._stop_list):
             raise _invalid("stop", "a list of non-empty strings", self.stop)
         if self.stop and not self.detokenize:
             raise _invalid("stop", "empty when detokenize=False (stop strings need text)",
@@ -278,6 +278,16 @@ class SamplingParams:
         return SamplingType.RANDOM if self.seed is None else SamplingType.RANDOM_SEED
 
     @property
+    def _stop_list(self) -> list[str]:
+        """`stop` as the list construction made it (a field may not narrow its own type)."""
+        return cast("list[str]", self.stop)
+
+    @property
+    def _stop_id_list(self) -> list[int]:
+        """`stop_token_ids` as the list construction made it."""
+        return cast("list[int]", self.stop_token_ids)
+
+    @property
     def is_greedy(self) -> bool:
         """Whether the sampler takes the argmax for this request."""
         return self.temperature < _SAMPLING_EPS
@@ -286,14 +296,14 @@ class SamplingParams:
         """Checks every token id the request names against the model's vocabulary.
 
         Args:
-            vocab_size: Number of rows of the model's logits.
+            vocab_size: Width of the model's logits (its vocabulary, padding included).
 
         Raises:
             InvalidRequestError: An id in `stop_token_ids`, `logit_bias` or
                 `allowed_token_ids` is >= `vocab_size`.
         """
         named = {
-            "stop_token_ids": self.stop_token_ids,
+            "stop_token_ids": self._stop_id_list,
             "logit_bias": list(self.logit_bias or ()),
             "allowed_token_ids": self.allowed_token_ids or [],
         }
@@ -320,8 +330,8 @@ class SamplingParams:
             max_tokens=self.max_tokens,
             min_tokens=self.min_tokens,
             ignore_eos=self.ignore_eos,
-            stop=list(self.stop),
-            stop_token_ids=list(self.stop_token_ids),
+            stop=list(self._stop_list),
+            stop_token_ids=list(self._stop_id_list),
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
             detokenize=self.detokenize,

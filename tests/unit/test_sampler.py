@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 import torch
@@ -24,7 +26,7 @@ def make_meta(num_reqs: int, vocab_size: int, **per_row) -> SamplingMetadata:
         "presence_penalty": (0.0, np.float32), "frequency_penalty": (0.0, np.float32),
         "repetition_penalty": (1.0, np.float32),
     }
-    kwargs = {}
+    kwargs: dict[str, Any] = {}
     for name, (default, dtype) in arrays.items():
         value = per_row.pop(name, default)
         kwargs[name] = np.broadcast_to(np.asarray(value, dtype=dtype), (num_reqs,)).copy()

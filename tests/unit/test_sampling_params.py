@@ -11,7 +11,7 @@ from ferrollm.exceptions import InvalidRequestError
 from ferrollm.sampling_params import SamplingType
 
 # vLLM's documented defaults for every field ferrollm supports.
-VLLM_DEFAULTS = {
+VLLM_DEFAULTS: dict[str, object] = {
     "n": 1,
     "presence_penalty": 0.0,
     "frequency_penalty": 0.0,
