@@ -16,12 +16,19 @@ from ferrollm._core import (
     Tokenizer,
     __version__,
 )
+from ferrollm.outputs import CompletionOutput, Logprob, RequestOutput
+from ferrollm.sampling_params import RequestOutputKind, SamplingParams
 
 __all__ = [
+    "CompletionOutput",
     "EngineCore",
     "EngineCoreOutput",
+    "Logprob",
     "NewRequestData",
+    "RequestOutput",
+    "RequestOutputKind",
     "SamplingOptions",
+    "SamplingParams",
     "SchedulerOutput",
     "Tokenizer",
     "exceptions",
