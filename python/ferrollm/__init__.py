@@ -20,6 +20,7 @@ from ferrollm.outputs import CompletionOutput, Logprob, RequestOutput
 from ferrollm.sampling_params import RequestOutputKind, SamplingParams
 
 __all__ = [
+    "LLM",
     "CompletionOutput",
     "EngineCore",
     "EngineCoreOutput",
@@ -34,3 +35,12 @@ __all__ = [
     "exceptions",
     "__version__",
 ]
+
+
+def __getattr__(name: str):
+    # `LLM` pulls in torch and transformers; load it on first use so the core stays light.
+    if name == "LLM":
+        from ferrollm.entrypoints.llm import LLM
+
+        return LLM
+    raise AttributeError(f"module 'ferrollm' has no attribute {name!r}")

@@ -227,10 +227,10 @@ class SamplingParams:
     def _verify_sampler_values(self) -> None:
         _check_range("presence_penalty", self.presence_penalty, -2.0, 2.0, "in [-2, 2]")
         _check_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0, "in [-2, 2]")
-        # vLLM >= 0.8.4 drops the upper bound; the core still checks (0, 2], so both move together.
-        _check_range("repetition_penalty", self.repetition_penalty, 0.0, 2.0, "in (0, 2]")
+        # vLLM >= 0.8.4 has no upper bound; the core checks the same rule.
+        _check_range("repetition_penalty", self.repetition_penalty, 0.0, math.inf, "a finite number > 0")
         if self.repetition_penalty == 0.0:
-            raise _invalid("repetition_penalty", "in (0, 2]", self.repetition_penalty)
+            raise _invalid("repetition_penalty", "a finite number > 0", self.repetition_penalty)
         _check_range("temperature", self.temperature, 0.0, math.inf, "a finite number >= 0")
         _check_range("top_p", self.top_p, 0.0, 1.0, "in (0, 1]")
         if self.top_p == 0.0:

@@ -24,7 +24,7 @@ def engine() -> EngineCore:
         ({"min_p": 1.5}, "`min_p` must be in [0, 1]. Given: 1.5"),
         ({"presence_penalty": 3.0}, "`presence_penalty` must be in [-2, 2]. Given: 3"),
         ({"frequency_penalty": -3.0}, "`frequency_penalty` must be in [-2, 2]. Given: -3"),
-        ({"repetition_penalty": 0.0}, "`repetition_penalty` must be in (0, 2]. Given: 0"),
+        ({"repetition_penalty": 0.0}, "`repetition_penalty` must be a finite number > 0. Given: 0"),
         ({"max_tokens": 4, "min_tokens": 5}, "`min_tokens` must be <= max_tokens (4). Given: 5"),
         ({"stop": [""]}, "`stop` must be a list of non-empty strings"),
     ],

@@ -31,43 +31,49 @@ class ModelRunner:
         device: where the model runs.
     """
 
-    def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], block_size: int, device: torch.device):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv_caches: list[torch.Tensor],
+        block_size: int,
+        device: torch.device,
+        vocab_size: int,
+        eos_token_ids: list[int],
+    ):
         self.model = model
+        self.vocab_size = vocab_size
+        self.eos_token_ids = list(eos_token_ids)
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
         self.sampler = Sampler()
         self.requests: dict[int, CachedRequestState] = {}
+        self._index_of: dict[str, int] = {}
         # Parameters of requests the core has not scheduled yet, by request id.
         self._incoming: dict[str, SamplingParams] = {}
-        self.finished_states: dict[str, CachedRequestState] = {}
 
     def add_request_params(self, request_id: str, params: SamplingParams) -> None:
         """Registers a request's Python-side parameters before the core schedules it."""
         self._incoming[request_id] = params
-
-    def pop_finished_state(self, request_id: str) -> CachedRequestState | None:
-        """The runner's record of a finished request (its logprobs), handed over once."""
-        return self.finished_states.pop(request_id, None)
 
     def update_states(self, step: SchedulerOutput) -> None:
         """Drops finished requests and adds the new ones, in that order (indices are reused)."""
         for idx in step.finished_req_indices.tolist():
             state = self.requests.pop(idx, None)
             if state is not None:
-                self.finished_states[state.request_id] = state
+                self._index_of.pop(state.request_id, None)
         for new in step.scheduled_new_reqs:
             params = self._incoming.pop(new.request_id)
-            self.requests[new.req_index] = CachedRequestState.create(new.request_id, params, new.prompt_token_ids, self.device)
+            state = CachedRequestState.create(new.request_id, params, new.prompt_token_ids, self.device)
+            self.requests[new.req_index] = state
+            self._index_of[new.request_id] = new.req_index
 
     def release(self, request_id: str) -> CachedRequestState | None:
-        """Forgets a request that finished in the core's last update, returning its state."""
-        for idx, state in self.requests.items():
-            if state.request_id == request_id:
-                del self.requests[idx]
-                return state
+        """Hands over and forgets the state of a request whose final output the core just gave
+        (its logprobs); None if it never reached the runner."""
         self._incoming.pop(request_id, None)
-        return self.finished_states.pop(request_id, None)
+        idx = self._index_of.pop(request_id, None)
+        return None if idx is None else self.requests.pop(idx, None)
 
     @torch.inference_mode()
     def execute_model(self, step: SchedulerOutput) -> np.ndarray:
@@ -79,30 +85,65 @@ class ModelRunner:
         input_ids = torch.from_numpy(step.input_ids).to(self.device)
         positions = torch.from_numpy(step.positions).to(self.device)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
-        logits_indices = torch.from_numpy(step.logits_indices).to(self.device)
-        logits = self.model.compute_logits(hidden[logits_indices])
         states = [self.requests[i] for i in step.req_indices.tolist()]
-        out = self.sampler(logits, self._sampling_metadata(step, states))
-        sampled = out.sampled_token_ids.cpu().numpy()
-        self._record_samples(step, states, sampled, out)
         self._record_prompt_logprobs(step, states, hidden)
+        # Only rows whose step completes their known tokens sample: a prefill chunk must not
+        # draw from a seeded generator, or the output would depend on how the prompt was split.
+        rows = np.flatnonzero(step.needs_sample)
+        sampled = np.zeros(len(step), dtype=np.int64)
+        if len(rows) == 0:
+            return sampled
+        logits_indices = torch.from_numpy(step.logits_indices[rows]).to(self.device)
+        logits = self.model.compute_logits(hidden[logits_indices])
+        sampling_states = [states[r] for r in rows]
+        out = self.sampler(logits, self._sampling_metadata(step, rows, sampling_states))
+        sampled[rows] = out.sampled_token_ids.cpu().numpy()
+        self._record_samples(sampling_states, sampled[rows], out)
         return sampled
 
-    def _sampling_metadata(self, step: SchedulerOutput, states: list[CachedRequestState]) -> SamplingMetadata:
-        return SamplingMetadata.from_step(step, states, self.device)
+    def _sampling_metadata(self, step: SchedulerOutput, rows: np.ndarray, states: list[CachedRequestState]) -> SamplingMetadata:
+        params = [s.params for s in states]
+        penalties = any(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0 for p in params)
+        logprobs = [p.logprobs for p in params if p.logprobs is not None]
+        return SamplingMetadata.from_arrays(
+            temperature=step.temperature[rows],
+            top_p=step.top_p[rows],
+            top_k=step.top_k[rows],
+            min_p=step.min_p[rows],
+            seeds=step.seeds[rows],
+            presence_penalty=step.presence_penalty[rows],
+            frequency_penalty=step.frequency_penalty[rows],
+            repetition_penalty=step.repetition_penalty[rows],
+            vocab_size=self.vocab_size,
+            device=self.device,
+            generators={row: s.generator for row, s in enumerate(states) if s.generator is not None},
+            prompt_token_ids=[s.prompt_token_ids for s in states] if penalties else None,
+            output_token_ids=[s.output_token_ids for s in states] if penalties else None,
+            logit_bias=[p.logit_bias for p in params] if any(p.logit_bias for p in params) else None,
+            allowed_token_ids=[p.allowed_token_ids for p in params] if any(p.allowed_token_ids for p in params) else None,
+            min_tokens_stop_ids=self._min_tokens_stop_ids(states),
+            max_num_logprobs=(-1 if -1 in logprobs else max(logprobs)) if logprobs else None,
+        )
 
-    def _record_samples(self, step: SchedulerOutput, states: list[CachedRequestState], sampled: np.ndarray, out) -> None:
-        keep = step.needs_sample
+    def _min_tokens_stop_ids(self, states: list[CachedRequestState]) -> list[list[int] | None] | None:
+        """EOS and stop ids may not be sampled while a request is short of `min_tokens`."""
+        rows: list[list[int] | None] = []
+        for s in states:
+            short = len(s.output_token_ids) < s.params.min_tokens
+            eos = [] if s.params.ignore_eos else self.eos_token_ids
+            rows.append(eos + list(s.params.stop_token_ids or []) if short else None)
+        return rows if any(r is not None for r in rows) else None
+
+    def _record_samples(self, states: list[CachedRequestState], sampled: np.ndarray, out) -> None:
         lp_ids = out.logprob_token_ids.cpu().numpy() if out.logprob_token_ids is not None else None
         lps = out.logprobs.cpu().numpy() if out.logprobs is not None else None
         ranks = out.sampled_token_ranks.cpu().numpy() if out.sampled_token_ranks is not None else None
         for row, state in enumerate(states):
-            if not keep[row]:
-                continue
             state.output_token_ids.append(int(sampled[row]))
             k = state.params.logprobs
             if k is not None and lp_ids is not None:
-                state.sample_logprobs.append((lp_ids[row, : k + 1], lps[row, : k + 1], int(ranks[row])))
+                width = lp_ids.shape[1] if k < 0 else k + 1
+                state.sample_logprobs.append((lp_ids[row, :width], lps[row, :width], int(ranks[row])))
 
     def _record_prompt_logprobs(self, step: SchedulerOutput, states: list[CachedRequestState], hidden: torch.Tensor) -> None:
         qsl = step.query_start_loc

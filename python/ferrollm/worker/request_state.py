@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from ferrollm.model_executor.sampling_metadata import make_generator
 from ferrollm.sampling_params import SamplingParams
 
 
@@ -36,8 +37,5 @@ class CachedRequestState:
 
     @classmethod
     def create(cls, request_id: str, params: SamplingParams, prompt_token_ids: list[int], device: torch.device) -> CachedRequestState:
-        generator = None
-        if params.seed is not None:
-            generator = torch.Generator(device=device)
-            generator.manual_seed(params.seed)
+        generator = make_generator(params.seed, device) if params.seed is not None else None
         return cls(request_id, params, list(prompt_token_ids), generator=generator)

@@ -139,8 +139,9 @@ impl SamplingOptions {
         check_range("min_p", self.min_p, 0.0, 1.0, "in [0, 1]")?;
         check_range("presence_penalty", self.presence_penalty, -2.0, 2.0, "in [-2, 2]")?;
         check_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0, "in [-2, 2]")?;
-        if !(self.repetition_penalty > 0.0 && self.repetition_penalty <= 2.0) {
-            return Err(CoreError::invalid("repetition_penalty", "in (0, 2]", self.repetition_penalty));
+        // vLLM >= 0.8.4 puts no upper bound on it.
+        if !(self.repetition_penalty > 0.0 && self.repetition_penalty.is_finite()) {
+            return Err(CoreError::invalid("repetition_penalty", "a finite number > 0", self.repetition_penalty));
         }
         if self.stop.iter().any(String::is_empty) {
             return Err(CoreError::invalid("stop", "a list of non-empty strings", "an empty string"));

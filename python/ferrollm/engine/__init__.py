@@ -1,0 +1,1 @@
+"""The engine: the Rust core, the model runner and the tokenizers, wired together."""

@@ -1,0 +1,59 @@
+"""How many KV blocks the cache gets.
+
+On the CPU the cache takes `FERROLLM_CPU_KVCACHE_SPACE` GiB (`VLLM_CPU_KVCACHE_SPACE` is accepted
+as an alias; default 4). The pool never grows past what `max_num_seqs` sequences of
+`max_model_len` tokens can use, so a small model with a short context does not reserve GiBs it
+can never touch. If one `max_model_len` sequence does not fit, start-up fails with the largest
+length that would and the options that help.
+"""
+
+from __future__ import annotations
+
+import os
+
+from ferrollm.exceptions import KVCacheTooSmallError
+
+GIB = 1 << 30
+DEFAULT_CPU_KVCACHE_GIB = 4.0
+_ENV_VARS = ("FERROLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_KVCACHE_SPACE")
+
+
+def cpu_kv_cache_bytes() -> int:
+    """The CPU KV cache budget in bytes, from the environment."""
+    for name in _ENV_VARS:
+        value = os.environ.get(name)
+        if value:
+            try:
+                gib = float(value)
+            except ValueError:
+                raise KVCacheTooSmallError(f"`{name}` must be a number of GiB. Given: {value!r}") from None
+            if gib <= 0:
+                raise KVCacheTooSmallError(f"`{name}` must be > 0 GiB. Given: {value}")
+            return int(gib * GIB)
+    return int(DEFAULT_CPU_KVCACHE_GIB * GIB)
+
+
+def bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype_size: int) -> int:
+    """K and V of every layer for one block of tokens."""
+    return 2 * num_layers * num_kv_heads * head_dim * block_size * dtype_size
+
+
+def num_kv_blocks(budget_bytes: int, block_bytes: int, block_size: int, max_model_len: int, max_num_seqs: int) -> int:
+    """Blocks in the pool, the reserved null block included.
+
+    Raises:
+        KVCacheTooSmallError: one `max_model_len` sequence does not fit in the budget.
+    """
+    usable = budget_bytes // block_bytes
+    needed_one = -(-max_model_len // block_size)
+    if usable < needed_one:
+        fits = usable * block_size
+        raise KVCacheTooSmallError(
+            f"the KV cache ({budget_bytes / GIB:.3f} GiB, {usable} blocks of {block_size} tokens) holds "
+            f"{fits} tokens, fewer than one sequence of `max_model_len`={max_model_len} needs; the "
+            f"largest `max_model_len` that fits is {fits}. Lower `max_model_len`, raise "
+            f"FERROLLM_CPU_KVCACHE_SPACE (GiB), use a quantized model or a larger "
+            f"`tensor_parallel_size`."
+        )
+    useful = max_num_seqs * needed_one
+    return min(usable, useful) + 1

@@ -1,0 +1,173 @@
+"""`LLMEngine`: builds the model, the KV cache, the tokenizers and the Rust core from the user's
+options, and runs steps. The step loop is the one in DESIGN.md: schedule in Rust, execute in
+torch, update in Rust."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from ferrollm._core import EngineCore, EngineCoreOutput
+from ferrollm.attention.backend import allocate_kv_cache
+from ferrollm.config.model_config import ModelConfig, build_model_config
+from ferrollm.config.model_source import resolve_model_source
+from ferrollm.engine.kv_memory import bytes_per_block, cpu_kv_cache_bytes, num_kv_blocks
+from ferrollm.engine.tokenizer_loader import Tokenizers, load_tokenizers
+from ferrollm.exceptions import ConfigError
+from ferrollm.sampling_params import SamplingParams
+from ferrollm.worker.model_runner import ModelRunner
+
+
+@dataclass
+class EngineArgs:
+    """The engine options `LLM` accepts, with vLLM's names and defaults."""
+
+    model: str
+    tokenizer: str | None = None
+    revision: str | None = None
+    dtype: str | torch.dtype = "auto"
+    seed: int | None = None
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    hf_overrides: Any = None
+    device: str = "auto"
+    gpu_memory_utilization: float = 0.9
+    enforce_eager: bool = False
+    tensor_parallel_size: int = 1
+
+    def validate(self) -> None:
+        if self.tensor_parallel_size != 1:
+            raise ConfigError(f"`tensor_parallel_size` must be 1 in this build (multi-process TP is not available yet). Given: {self.tensor_parallel_size}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ConfigError(f"`gpu_memory_utilization` must be in (0, 1]. Given: {self.gpu_memory_utilization}")
+        if self.block_size < 1:
+            raise ConfigError(f"`block_size` must be >= 1. Given: {self.block_size}")
+        if self.max_num_seqs < 1:
+            raise ConfigError(f"`max_num_seqs` must be >= 1. Given: {self.max_num_seqs}")
+
+
+def _device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name not in ("cpu", "cuda") and not name.startswith("cuda:"):
+        raise ConfigError(f"`device` must be 'auto', 'cpu' or 'cuda'. Given: {name!r}")
+    return torch.device(name)
+
+
+class LLMEngine:
+    """The loaded engine. Build it with `LLMEngine.from_args`."""
+
+    def __init__(self, args: EngineArgs, model_config: ModelConfig, tokenizers: Tokenizers,
+                 core: EngineCore, runner: ModelRunner):
+        self.args = args
+        self.model_config = model_config
+        self.tokenizers = tokenizers
+        self.core = core
+        self.runner = runner
+
+    @classmethod
+    def from_args(cls, args: EngineArgs) -> LLMEngine:
+        args.validate()
+        if args.seed is not None:
+            torch.manual_seed(args.seed)
+        device = _device(args.device)
+        source = resolve_model_source(args.model, args.revision)
+        hf_config, weights = _read_checkpoint(source)
+        model_config = build_model_config(
+            source, hf_config, hf_overrides=args.hf_overrides, dtype=args.dtype,
+            max_model_len=args.max_model_len, device=device,
+        )
+        tokenizers = load_tokenizers(source, args.tokenizer, args.revision)
+        from ferrollm.model_executor.loader import get_model
+
+        model = get_model(model_config.hf_config, model_config.dtype, weights(), device=device)
+        core, runner = _build_core(args, model_config, model, tokenizers, device)
+        return cls(args, model_config, tokenizers, core, runner)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model_config.hf_config.vocab_size)
+
+    def add_requests(self, request_ids: list[str], prompts: Sequence[str | list[int]],
+                     params: list[SamplingParams], add_special_tokens: bool = True,
+                     priorities: list[int] | None = None) -> None:
+        """Queues requests atomically: either all are accepted or none is."""
+        for p in params:
+            p.verify_token_ids(self.vocab_size)
+        self.core.add_requests(request_ids, list(prompts), [p.to_core() for p in params],
+                               priorities=priorities, add_special_tokens=add_special_tokens)
+        for rid, p in zip(request_ids, params):
+            self.runner.add_request_params(rid, p)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.core.has_unfinished_requests()
+
+    def step(self) -> list[EngineCoreOutput]:
+        """One schedule -> execute -> update; returns the requests that finished."""
+        step = self.core.schedule()
+        try:
+            sampled = self.runner.execute_model(step)
+        except BaseException:
+            self.abort_all()
+            raise
+        return self.core.update(sampled)
+
+    def abort_all(self) -> None:
+        """Aborts everything after a failed or interrupted step and clears the runner's state,
+        so the next call starts clean."""
+        self.core.abort_all_requests()
+        step = self.core.schedule()
+        self.runner.update_states(step)
+        for out in self.core.update(np.zeros(0, dtype=np.int64)):
+            self.runner.release(out.request_id)
+
+    def close(self) -> None:
+        self.runner.kv_caches.clear()
+        self.tokenizers.close()
+
+
+def _read_checkpoint(source):
+    """The HF config and a factory for the weight iterator."""
+    from ferrollm.model_executor import loader
+
+    if source.gguf_file is not None:
+        config, weights = loader.load_gguf(source.gguf_file)
+        return config, lambda: weights
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(str(source.folder))
+    except Exception as e:  # an unreadable config.json or an unknown model_type
+        raise ConfigError(f"could not read {source.folder / 'config.json'}: {e}") from e
+    return config, lambda: loader.iterate_safetensors(source.folder)
+
+
+def _build_core(args: EngineArgs, mc: ModelConfig, model, tokenizers: Tokenizers, device: torch.device):
+    num_layers, num_kv_heads, head_dim = model.kv_cache_spec()
+    dtype_size = torch.tensor([], dtype=mc.dtype).element_size()
+    block_bytes = bytes_per_block(num_layers, num_kv_heads, head_dim, args.block_size, dtype_size)
+    budget = cpu_kv_cache_bytes() if device.type == "cpu" else _gpu_kv_budget(args, device)
+    num_blocks = num_kv_blocks(budget, block_bytes, args.block_size, mc.max_model_len, args.max_num_seqs)
+    batched = args.max_num_batched_tokens or max(8192, args.max_num_seqs)
+    core = EngineCore(
+        tokenizer=tokenizers.core, block_size=args.block_size, num_blocks=num_blocks,
+        enable_prefix_caching=args.enable_prefix_caching, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=batched, max_model_len=mc.max_model_len,
+    )
+    kv_caches = allocate_kv_cache(num_layers, num_blocks, args.block_size, num_kv_heads, head_dim, mc.dtype, device)
+    runner = ModelRunner(model, kv_caches, args.block_size, device,
+                         vocab_size=int(mc.hf_config.vocab_size), eos_token_ids=tokenizers.core.eos_token_ids)
+    return core, runner
+
+
+def _gpu_kv_budget(args: EngineArgs, device: torch.device) -> int:
+    free, total = torch.cuda.mem_get_info(device)
+    used = total - free
+    return max(0, int(total * args.gpu_memory_utilization) - used)

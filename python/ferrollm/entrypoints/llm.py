@@ -1,0 +1,241 @@
+"""`LLM`: vLLM's offline inference API.
+
+    from ferrollm import LLM, SamplingParams
+    llm = LLM(model="path/to/checkpoint")
+    outputs = llm.generate(["Hello, my name is"], SamplingParams(temperature=0.8, top_p=0.95))
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from ferrollm.engine.llm_engine import EngineArgs, LLMEngine
+from ferrollm.entrypoints.output_builder import LogprobDecoder, PendingRequest, completion, prompt_logprobs
+from ferrollm.entrypoints.prompts import normalize_prompts
+from ferrollm.exceptions import InvalidRequestError
+from ferrollm.outputs import RequestOutput
+from ferrollm.sampling_params import SamplingParams
+
+ChatMessages = list[dict[str, Any]]
+
+
+class LLM:
+    """An LLM for offline inference, with vLLM's arguments and defaults.
+
+    Args:
+        model: a local checkpoint folder, a `.gguf` file, or a hub id (from the local Hugging
+            Face cache, or fetched unless `HF_HUB_OFFLINE` is set).
+        tokenizer: a tokenizer folder or hub id; defaults to the model's own.
+        dtype: "auto", "float32", "bfloat16" or "float16". "auto" runs fp32 on the CPU.
+        seed: seeds the global random state used by requests without their own seed.
+        max_model_len: the longest prompt + output; defaults to the model's maximum.
+        max_num_seqs: requests running at once.
+        max_num_batched_tokens: tokens per step (decodes and prefill chunks share it).
+        block_size: tokens per KV block.
+        enable_prefix_caching: reuse KV blocks of shared prompt prefixes.
+        hf_overrides: a dict merged into the model's config, or a callable that edits it.
+        device: "auto", "cpu" or "cuda".
+        gpu_memory_utilization: fraction of GPU memory the engine may take (GPU only).
+        enforce_eager: never capture CUDA graphs (GPU only).
+        tensor_parallel_size: must be 1 for now.
+    """
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        tokenizer: str | None = None,
+        revision: str | None = None,
+        trust_remote_code: bool = False,
+        dtype: str = "auto",
+        seed: int | None = None,
+        max_model_len: int | None = None,
+        max_num_seqs: int | None = None,
+        max_num_batched_tokens: int | None = None,
+        block_size: int | None = None,
+        enable_prefix_caching: bool | None = None,
+        hf_overrides: Any = None,
+        device: str = "auto",
+        gpu_memory_utilization: float = 0.9,
+        enforce_eager: bool = False,
+        tensor_parallel_size: int = 1,
+    ) -> None:
+        args = EngineArgs(
+            model=str(model), tokenizer=tokenizer, revision=revision, dtype=dtype, seed=seed,
+            max_model_len=max_model_len, max_num_seqs=max_num_seqs or 256,
+            max_num_batched_tokens=max_num_batched_tokens, block_size=block_size or 16,
+            enable_prefix_caching=True if enable_prefix_caching is None else enable_prefix_caching,
+            hf_overrides=hf_overrides, device=device, gpu_memory_utilization=gpu_memory_utilization,
+            enforce_eager=enforce_eager, tensor_parallel_size=tensor_parallel_size,
+        )
+        self.llm_engine: LLMEngine | None = LLMEngine.from_args(args)
+        self._request_counter = itertools.count()
+        self._decoder = LogprobDecoder(self.llm_engine.tokenizers.core)
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Releases the model, the KV cache and temporary files. Safe to call twice."""
+        if self.llm_engine is not None:
+            self.llm_engine.close()
+            self.llm_engine = None
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _engine(self) -> LLMEngine:
+        if self.llm_engine is None:
+            raise RuntimeError("this LLM has been closed")
+        return self.llm_engine
+
+    def get_tokenizer(self) -> Any:
+        """The model's transformers tokenizer."""
+        return self._engine().tokenizers.hf
+
+    # -- generation --------------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: Any,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        priority: list[int] | None = None,
+    ) -> list[RequestOutput]:
+        """Generates completions for the prompts, in input order.
+
+        Args:
+            prompts: a string, a `{"prompt": ...}` or `{"prompt_token_ids": [...]}` dict, or a
+                list of these.
+            sampling_params: one for all prompts, one per prompt, or None for the defaults.
+            use_tqdm: show a progress bar.
+            priority: per-prompt priority (lower runs first) under the priority policy.
+
+        Returns:
+            One `RequestOutput` per prompt.
+        """
+        return self._generate(prompts, sampling_params, use_tqdm, priority, add_special_tokens=True)
+
+    def chat(
+        self,
+        messages: ChatMessages | list[ChatMessages],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """Renders each conversation with the tokenizer's chat template and generates a reply.
+
+        Args:
+            messages: one conversation (a list of `{"role", "content"}` dicts) or a list of them.
+            sampling_params: as in `generate`.
+            chat_template: a Jinja template to use instead of the tokenizer's.
+            add_generation_prompt: end the prompt with the assistant's turn header.
+            continue_final_message: continue the last (assistant) message instead.
+            chat_template_kwargs: extra variables for the template.
+
+        Returns:
+            One `RequestOutput` per conversation.
+        """
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        tok = self.get_tokenizer()
+        if chat_template is None and getattr(tok, "chat_template", None) is None:
+            raise InvalidRequestError("`chat_template` must be given: the tokenizer has no chat template")
+        prompts = [
+            tok.apply_chat_template(
+                conv, tokenize=False, chat_template=chat_template,
+                add_generation_prompt=add_generation_prompt and not continue_final_message,
+                continue_final_message=continue_final_message, **(chat_template_kwargs or {}),
+            )
+            for conv in conversations
+        ]
+        # The template already holds the special tokens (BOS and the like), as in vLLM.
+        return self._generate(prompts, sampling_params, use_tqdm, None, add_special_tokens=False)
+
+    def _generate(self, prompts, sampling_params, use_tqdm, priority, add_special_tokens) -> list[RequestOutput]:
+        engine = self._engine()
+        items = normalize_prompts(prompts, engine.vocab_size)
+        params = _expand_params(sampling_params, len(items))
+        if priority is not None and len(priority) != len(items):
+            raise InvalidRequestError(f"`priority` must have one entry per prompt ({len(items)}). Given: {len(priority)} entries")
+        pending, ids, seq_prompts, seq_params, seq_prio = [], [], [], [], []
+        for i, ((text, prompt), p) in enumerate(zip(items, params)):
+            rid = str(next(self._request_counter))
+            pending.append(PendingRequest(rid, text, p.n))
+            for k, child in enumerate(_fan_out(p)):
+                ids.append(rid if p.n == 1 else f"{k}_{rid}")
+                seq_prompts.append(prompt)
+                seq_params.append(child)
+                seq_prio.append(priority[i] if priority else 0)
+        engine.add_requests(ids, seq_prompts, seq_params, add_special_tokens, seq_prio)
+        return self._run(engine, pending, use_tqdm)
+
+    def _run(self, engine: LLMEngine, pending: list[PendingRequest], use_tqdm: bool) -> list[RequestOutput]:
+        by_id = {p.request_id: p for p in pending}
+        bar = _progress(len(pending), use_tqdm)
+        start, num_in, num_out = time.perf_counter(), 0, 0
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                k, parent = _parent_of(out.request_id, by_id)
+                state = engine.runner.release(out.request_id)
+                parent.completions[k] = completion(k, out, state, self._decoder)
+                if parent.prompt_token_ids is None:
+                    parent.prompt_token_ids = list(out.prompt_token_ids)
+                    parent.prompt_logprobs = prompt_logprobs(state, self._decoder)
+                    parent.num_cached_tokens = out.num_cached_tokens
+                num_out += len(out.token_ids)
+                if parent.done and bar is not None:
+                    num_in += len(parent.prompt_token_ids)
+                    elapsed = max(time.perf_counter() - start, 1e-9)
+                    bar.set_postfix_str(f"est. speed input: {num_in / elapsed:.2f} toks/s, output: {num_out / elapsed:.2f} toks/s")
+                    bar.update(1)
+        if bar is not None:
+            bar.close()
+        return [p.to_output() for p in pending]
+
+
+def _expand_params(sampling_params, n: int) -> list[SamplingParams]:
+    if sampling_params is None:
+        return [SamplingParams()] * n
+    if isinstance(sampling_params, SamplingParams):
+        return [sampling_params] * n
+    params = list(sampling_params)
+    if len(params) != n:
+        raise InvalidRequestError(f"`sampling_params` must be one per prompt ({n}) or a single one. Given: {len(params)}")
+    return params
+
+
+def _fan_out(p: SamplingParams) -> list[SamplingParams]:
+    """`n` independent sequences; a seeded request's child i uses seed + i."""
+    if p.n == 1:
+        return [p]
+    children = []
+    for i in range(p.n):
+        child = p.clone()
+        child.n = 1
+        if p.seed is not None:
+            child.seed = p.seed + i
+        children.append(child)
+    return children
+
+
+def _parent_of(seq_id: str, by_id: dict[str, PendingRequest]) -> tuple[int, PendingRequest]:
+    if seq_id in by_id:
+        return 0, by_id[seq_id]
+    k, _, rid = seq_id.partition("_")
+    return int(k), by_id[rid]
+
+
+def _progress(total: int, use_tqdm: bool):
+    if not use_tqdm:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="Processed prompts", dynamic_ncols=True)

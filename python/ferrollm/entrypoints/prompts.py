@@ -1,0 +1,35 @@
+"""Normalizes what `LLM.generate` accepts into (prompt text or None, prompt for the core)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ferrollm.exceptions import InvalidRequestError
+
+
+def normalize_prompts(prompts: Any, vocab_size: int) -> list[tuple[str | None, str | list[int]]]:
+    """Accepts a string, a `{"prompt": str}` or `{"prompt_token_ids": [...]}` dict, or a list of
+    these; returns one (text, core prompt) pair per prompt.
+
+    Raises:
+        InvalidRequestError: an unknown prompt form, or a token id outside the vocabulary.
+    """
+    if isinstance(prompts, (str, dict)):
+        prompts = [prompts]
+    out = []
+    for i, p in enumerate(prompts):
+        if isinstance(p, str):
+            out.append((p, p))
+        elif isinstance(p, dict) and "prompt_token_ids" in p:
+            ids = [int(t) for t in p["prompt_token_ids"]]
+            bad = [t for t in ids if not 0 <= t < vocab_size]
+            if bad:
+                raise InvalidRequestError(f"`prompt_token_ids` of prompt {i} must be in [0, {vocab_size}). Given: {bad[0]}")
+            out.append((p.get("prompt"), ids))
+        elif isinstance(p, dict) and isinstance(p.get("prompt"), str):
+            out.append((p["prompt"], p["prompt"]))
+        else:
+            raise InvalidRequestError(
+                f"`prompts` must be strings or dicts with 'prompt' or 'prompt_token_ids'. Given: {type(p).__name__} at index {i}"
+            )
+    return out
