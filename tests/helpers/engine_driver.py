@@ -150,8 +150,9 @@ def hf_greedy(hf_model, prompt: list[int], max_tokens: int) -> tuple[list[int], 
         the position that predicts token ``k``.
     """
     input_ids = torch.tensor([prompt])
-    out = hf_model.generate(input_ids, do_sample=False, max_new_tokens=max_tokens,
-                            min_new_tokens=max_tokens)
+    # The caller has set generation_config.eos_token_id = None, so no request stops early.
+    out = hf_model.generate(input_ids, do_sample=False, max_new_tokens=max_tokens)
     tokens = out[0, len(prompt):].tolist()
+    assert len(tokens) == max_tokens
     logits = hf_model(out).logits[0, len(prompt) - 1 : -1].float()
     return tokens, logits

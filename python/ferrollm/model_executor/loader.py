@@ -17,7 +17,7 @@ from transformers import PretrainedConfig
 from ferrollm.exceptions import CheckpointError, UnsupportedModelError
 from ferrollm.model_executor.registry import ModelRegistry
 
-__all__ = ["get_model", "iterate_safetensors", "load_gguf"]
+__all__ = ["get_model", "gguf_to_hf_name", "iterate_safetensors", "load_gguf"]
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 

@@ -21,7 +21,7 @@ from ferrollm.distributed import (
     tensor_model_parallel_all_gather,
     tensor_model_parallel_all_reduce,
 )
-from ferrollm.exceptions import ConfigError
+from ferrollm.exceptions import CheckpointError, ConfigError
 from ferrollm.model_executor.weight_utils import copy_weight
 
 __all__ = [
@@ -45,6 +45,15 @@ def divide(numerator: int, denominator: int, what: str = "size") -> int:
             f"{what} ({numerator}) must be divisible by `tensor_parallel_size` ({denominator})"
         )
     return numerator // denominator
+
+
+def _check_full_size(loaded_weight: torch.Tensor, dim: int, expected: int, what: str) -> None:
+    # Slicing would silently accept a checkpoint tensor that is too large; check the whole size.
+    if loaded_weight.shape[dim] != expected:
+        raise CheckpointError(
+            f"{what}: the checkpoint tensor has shape {tuple(loaded_weight.shape)}, the model "
+            f"expects {expected} along dimension {dim}; does config.json match the weights?"
+        )
 
 
 def _param(shape: tuple[int, ...], dtype: torch.dtype | None, loader) -> nn.Parameter:
@@ -123,6 +132,7 @@ class ColumnParallelLinear(LinearBase):
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
         """Copies rows ``[rank * n, (rank + 1) * n)`` of the full weight (or bias)."""
+        _check_full_size(loaded_weight, 0, self.output_size, "column-parallel weight")
         size = param.shape[0]
         copy_weight(param.data, loaded_weight.narrow(0, self.tp_rank * size, size))
 
@@ -159,13 +169,17 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
             loaded_weight: the full checkpoint tensor of one projection.
             loaded_shard_id: which projection (index into ``output_sizes``).
         """
-        if loaded_shard_id is None:  # the checkpoint already holds the fused tensor
-            return super().weight_loader(param, loaded_weight)
+        if loaded_shard_id is None:  # a checkpoint that stores the projections fused
+            _check_full_size(loaded_weight, 0, self.output_size, "fused weight")
+            for shard_id, part in enumerate(loaded_weight.split(self.output_sizes)):
+                self.weight_loader(param, part, shard_id)
+            return
+        what = f"shard {loaded_shard_id}"
+        _check_full_size(loaded_weight, 0, self.output_sizes[loaded_shard_id], what)
         size = self.output_sizes[loaded_shard_id] // self.tp_size
         offset = sum(self.output_sizes[:loaded_shard_id]) // self.tp_size
         copy_weight(param.data.narrow(0, offset, size),
-                    loaded_weight.narrow(0, self.tp_rank * size, size),
-                    f"shard {loaded_shard_id}")
+                    loaded_weight.narrow(0, self.tp_rank * size, size), what)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -189,6 +203,8 @@ class QKVParallelLinear(ColumnParallelLinear):
         tp_size = get_tensor_model_parallel_world_size()
         total_num_kv_heads = total_num_kv_heads or total_num_heads
         self.head_size = head_size
+        self.total_num_heads = total_num_heads
+        self.total_num_kv_heads = total_num_kv_heads
         self.num_heads = divide(total_num_heads, tp_size, "num_attention_heads")
         if tp_size >= total_num_kv_heads:
             self.num_kv_heads = 1
@@ -218,8 +234,16 @@ class QKVParallelLinear(ColumnParallelLinear):
             loaded_weight: the full checkpoint tensor of one of q, k, v.
             loaded_shard_id: ``"q"``, ``"k"`` or ``"v"``.
         """
-        if loaded_shard_id is None:
-            return super().weight_loader(param, loaded_weight)
+        if loaded_shard_id is None:  # a checkpoint that stores q, k and v fused
+            sizes = [n * self.head_size for n in
+                     (self.total_num_heads, self.total_num_kv_heads, self.total_num_kv_heads)]
+            _check_full_size(loaded_weight, 0, sum(sizes), "fused qkv weight")
+            for shard_id, part in zip("qkv", loaded_weight.split(sizes)):
+                self.weight_loader(param, part, shard_id)
+            return
+        what = f"{loaded_shard_id} projection"
+        num_heads = self.total_num_heads if loaded_shard_id == "q" else self.total_num_kv_heads
+        _check_full_size(loaded_weight, 0, num_heads * self.head_size, what)
         q, kv = self.q_size, self.kv_size
         offset, size, shard_rank = {
             "q": (0, q, self.tp_rank),
@@ -227,8 +251,7 @@ class QKVParallelLinear(ColumnParallelLinear):
             "v": (q + kv, kv, self.tp_rank // self.num_kv_head_replicas),
         }[loaded_shard_id]
         copy_weight(param.data.narrow(0, offset, size),
-                    loaded_weight.narrow(0, shard_rank * size, size),
-                    f"{loaded_shard_id} projection")
+                    loaded_weight.narrow(0, shard_rank * size, size), what)
 
 
 class RowParallelLinear(LinearBase):
@@ -256,6 +279,7 @@ class RowParallelLinear(LinearBase):
         """Copies columns ``[rank * n, (rank + 1) * n)`` of the weight; the bias whole."""
         if param.dim() == 1:
             return copy_weight(param.data, loaded_weight, "bias")
+        _check_full_size(loaded_weight, 1, self.input_size, "row-parallel weight")
         size = param.shape[1]
         copy_weight(param.data, loaded_weight.narrow(1, self.tp_rank * size, size))
 
