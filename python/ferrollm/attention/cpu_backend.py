@@ -64,14 +64,15 @@ def paged_attention(
     if meta.num_tokens == 0:
         return torch.empty_like(query)
     if meta.is_decode_only:
-        return _decode(query, kv_cache, meta.block_tables, meta.seq_lens, opts)
+        return _decode(query, kv_cache, meta.block_tables, meta.seq_lens, meta.max_seq_len, opts)
     out = torch.empty_like(query)
     query_lens = meta.query_start_loc[1:] - meta.query_start_loc[:-1]
     decode_rows = torch.nonzero(query_lens == 1).flatten()
     if len(decode_rows):
         tokens = meta.query_start_loc[decode_rows].long()
-        decoded = _decode(query[tokens], kv_cache, meta.block_tables[decode_rows],
-                          meta.seq_lens[decode_rows], opts)
+        seq_lens = meta.seq_lens[decode_rows]
+        decoded = _decode(query[tokens], kv_cache, meta.block_tables[decode_rows], seq_lens,
+                          int(seq_lens.max()), opts)
         out.index_copy_(0, tokens, decoded)
     prefill_rows = torch.nonzero(query_lens > 1).flatten().tolist()
     starts = meta.query_start_loc.tolist()
@@ -84,10 +85,9 @@ def paged_attention(
     return out
 
 
-def _decode(query, kv_cache, block_tables, seq_lens, opts):
+def _decode(query, kv_cache, block_tables, seq_lens, max_seq_len, opts):
     """One query token per row; rows are batched. Returns ``[rows, num_heads, head_dim]``."""
     block_size = kv_cache.shape[2]
-    max_seq_len = int(seq_lens.max())
     num_blocks = -(-max_seq_len // block_size)
     keys, values = _gather(kv_cache, block_tables[:, :num_blocks])
     query_pos = (seq_lens.long() - 1)[:, None]
