@@ -15,6 +15,8 @@ __all__ = [
     "DuplicateRequestError",
     "ConfigError",
     "KVCacheTooSmallError",
+    "UnsupportedModelError",
+    "CheckpointError",
     "TokenizerError",
     "StepMismatchError",
     "EngineError",
@@ -45,6 +47,16 @@ class ConfigError(FerroLLMError, ValueError):
 class KVCacheTooSmallError(ConfigError):
     """The KV cache cannot hold one ``max_model_len`` sequence; the message gives the largest
     length that fits and the options that help."""
+
+
+class UnsupportedModelError(ConfigError):
+    """The checkpoint's architecture (or one of its options, e.g. a RoPE type) is not implemented;
+    the message lists what is supported and how ``hf_overrides`` can name another architecture."""
+
+
+class CheckpointError(FerroLLMError, ValueError):
+    """The checkpoint's files do not match its config: a tensor is missing, unexpected or has
+    the wrong shape; the message names the tensor."""
 
 
 class TokenizerError(FerroLLMError, ValueError):

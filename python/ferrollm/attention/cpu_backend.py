@@ -1,0 +1,146 @@
+"""Paged attention in plain torch: the CPU backend and the reference the Triton kernels are tested
+against.
+
+Each request's keys and values are read through its block table, so requests never see each
+other's context. Decode rows (one query token) of a step are done together: their blocks are
+gathered into ``[num_decodes, max_seq_len, num_kv_heads, head_dim]``, padding is masked by
+``seq_lens``, and one batched matmul does the work. Prefill chunks, a few per step, run one
+request at a time to avoid padding every query to the longest chunk. Scores, softmax and the
+weighted sum are computed in float32 whatever the cache dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ferrollm.attention.backend import AttentionMetadata
+
+__all__ = ["write_kv", "paged_attention"]
+
+
+def write_kv(
+    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Writes this step's keys and values into their cache slots.
+
+    Args:
+        key: ``[num_tokens, num_kv_heads, head_dim]``.
+        value: same shape as ``key``.
+        kv_cache: one layer's cache, ``[2, num_blocks, block_size, num_kv_heads, head_dim]``.
+        slot_mapping: int64 ``[num_tokens]``, flat slot ``block_id * block_size + offset``.
+    """
+    num_kv_heads, head_dim = kv_cache.shape[-2:]
+    # kv_cache[i] is a contiguous slab, so this view aliases the cache.
+    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
+    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
+
+
+def paged_attention(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+) -> torch.Tensor:
+    """Causal attention of each request's new tokens over its whole context in the paged cache.
+
+    The new tokens' keys and values must already be in ``kv_cache`` (see :func:`write_kv`).
+
+    Args:
+        query: ``[num_tokens, num_heads, head_dim]``; ``num_heads`` is a multiple of the cache's
+            ``num_kv_heads`` (grouped-query attention).
+        kv_cache: one layer's cache, ``[2, num_blocks, block_size, num_kv_heads, head_dim]``.
+        meta: the step's metadata.
+        scale: multiplier of ``q @ k``, usually ``head_dim ** -0.5``.
+        sliding_window: if set, a query at position ``p`` sees keys at positions
+            ``> p - sliding_window`` only.
+        logits_soft_cap: if set, scores become ``cap * tanh(scores / cap)`` before the softmax.
+
+    Returns:
+        ``[num_tokens, num_heads, head_dim]`` in ``query``'s dtype.
+    """
+    opts = (scale, sliding_window, logits_soft_cap)
+    if meta.num_tokens == 0:
+        return torch.empty_like(query)
+    if meta.is_decode_only:
+        return _decode(query, kv_cache, meta.block_tables, meta.seq_lens, meta.max_seq_len, opts)
+    out = torch.empty_like(query)
+    query_lens = meta.query_start_loc[1:] - meta.query_start_loc[:-1]
+    decode_rows = torch.nonzero(query_lens == 1).flatten()
+    if len(decode_rows):
+        tokens = meta.query_start_loc[decode_rows].long()
+        seq_lens = meta.seq_lens[decode_rows]
+        decoded = _decode(query[tokens], kv_cache, meta.block_tables[decode_rows], seq_lens,
+                          int(seq_lens.max()), opts)
+        out.index_copy_(0, tokens, decoded)
+    prefill_rows = torch.nonzero(query_lens > 1).flatten().tolist()
+    starts = meta.query_start_loc.tolist()
+    seq_lens = meta.seq_lens.tolist()
+    computed = meta.num_computed_tokens.tolist()
+    for row in prefill_rows:
+        start, end = starts[row], starts[row + 1]
+        out[start:end] = _prefill(query[start:end], kv_cache, meta.block_tables[row],
+                                  seq_lens[row], computed[row], opts)
+    return out
+
+
+def _decode(query, kv_cache, block_tables, seq_lens, max_seq_len, opts):
+    """One query token per row; rows are batched. Returns ``[rows, num_heads, head_dim]``."""
+    block_size = kv_cache.shape[2]
+    num_blocks = -(-max_seq_len // block_size)
+    keys, values = _gather(kv_cache, block_tables[:, :num_blocks])
+    query_pos = (seq_lens.long() - 1)[:, None]
+    return _attend(query[:, None], keys, values, query_pos, *opts)[:, 0]
+
+
+def _prefill(query, kv_cache, block_table, seq_len, num_computed, opts):
+    """One request's query chunk, positions ``num_computed ..``. Returns ``[q_len, heads, dim]``."""
+    block_size = kv_cache.shape[2]
+    num_blocks = -(-seq_len // block_size)
+    keys, values = _gather(kv_cache, block_table[None, :num_blocks])
+    query_pos = torch.arange(num_computed, num_computed + len(query), device=query.device)
+    return _attend(query[None], keys, values, query_pos[None], *opts)[0]
+
+
+def _gather(kv_cache, block_tables):
+    """Reads blocks into ``keys, values``, each ``[rows, num_blocks * block_size, kv_heads, dim]``."""
+    rows, num_blocks = block_tables.shape
+    kv = kv_cache[:, block_tables.long()]  # [2, rows, num_blocks, block_size, kv_heads, dim]
+    kv = kv.reshape(2, rows, num_blocks * kv_cache.shape[2], *kv_cache.shape[-2:])
+    return kv[0], kv[1]
+
+
+def _attend(query, keys, values, query_pos, scale, sliding_window, soft_cap):
+    """Masked attention in float32.
+
+    Args:
+        query: ``[rows, q_len, num_heads, dim]``.
+        keys, values: ``[rows, ctx_len, kv_heads, dim]``; slot ``j`` holds context position ``j``.
+        query_pos: ``[rows, q_len]`` context position of each query token. The causal mask
+            also hides the padding past each row's context, whose positions exceed every query's.
+
+    Returns:
+        ``[rows, q_len, num_heads, dim]`` in ``query``'s dtype.
+    """
+    rows, q_len, num_heads, dim = query.shape
+    kv_heads = keys.shape[2]
+    group = num_heads // kv_heads
+    # [rows, kv_heads, group * q_len, dim]: the heads sharing one KV head form a single matmul.
+    q = query.float().reshape(rows, q_len, kv_heads, group, dim).permute(0, 2, 3, 1, 4)
+    q = q.reshape(rows, kv_heads, group * q_len, dim)
+    k = keys.float().transpose(1, 2)  # [rows, kv_heads, ctx, dim]
+    v = values.float().transpose(1, 2)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if soft_cap is not None:
+        scores = soft_cap * torch.tanh(scores / soft_cap)
+    key_pos = torch.arange(k.shape[2], device=query.device)
+    visible = key_pos <= query_pos[..., None]
+    if sliding_window is not None:
+        visible &= key_pos > query_pos[..., None] - sliding_window
+    # [rows, q_len, ctx] -> broadcast over kv_heads and group, matching q's row order.
+    visible = visible[:, None, None].expand(rows, 1, group, q_len, k.shape[2])
+    scores = scores.masked_fill(~visible.reshape(rows, 1, group * q_len, -1), float("-inf"))
+    out = torch.matmul(torch.softmax(scores, dim=-1), v)  # [rows, kv_heads, group * q_len, dim]
+    out = out.reshape(rows, kv_heads, group, q_len, dim).permute(0, 3, 1, 2, 4)
+    return out.reshape(rows, q_len, num_heads, dim).to(query.dtype)

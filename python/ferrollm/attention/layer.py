@@ -1,0 +1,66 @@
+"""The attention layer models call: writes this step's keys and values into the paged cache, then
+attends over each request's whole context."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ferrollm.attention import cpu_backend
+from ferrollm.attention.backend import AttentionMetadata
+
+__all__ = ["Attention"]
+
+
+class Attention(nn.Module):
+    """Paged, causal, grouped-query attention over the step's requests.
+
+    Only the torch backend exists so far; a GPU backend will plug in here, chosen by the device
+    of the KV cache, without changing model code.
+
+    Args:
+        num_heads: query heads on this rank.
+        head_size: size of one head.
+        scale: score multiplier, usually ``head_size ** -0.5``.
+        num_kv_heads: KV heads on this rank (default ``num_heads``).
+        sliding_window: attend to the last ``sliding_window`` positions only.
+        logits_soft_cap: cap scores with ``cap * tanh(score / cap)``.
+    """
+
+    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int | None = None,
+                 sliding_window: int | None = None, logits_soft_cap: float | None = None):
+        super().__init__()
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.scale = scale
+        self.num_kv_heads = num_kv_heads or num_heads
+        self.sliding_window = sliding_window
+        self.logits_soft_cap = logits_soft_cap
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                kv_cache: torch.Tensor, attn_metadata: AttentionMetadata) -> torch.Tensor:
+        """Attention for one layer.
+
+        Args:
+            query: ``[num_tokens, num_heads * head_size]``.
+            key: ``[num_tokens, num_kv_heads * head_size]``.
+            value: same shape as ``key``.
+            kv_cache: this layer's ``[2, num_blocks, block_size, num_kv_heads, head_size]``.
+            attn_metadata: the step's metadata.
+
+        Returns:
+            ``[num_tokens, num_heads * head_size]``.
+        """
+        num_tokens = query.shape[0]
+        key = key.view(num_tokens, self.num_kv_heads, self.head_size)
+        value = value.view(num_tokens, self.num_kv_heads, self.head_size)
+        cpu_backend.write_kv(key, value, kv_cache, attn_metadata.slot_mapping)
+        out = cpu_backend.paged_attention(
+            query.view(num_tokens, self.num_heads, self.head_size), kv_cache, attn_metadata,
+            self.scale, self.sliding_window, self.logits_soft_cap,
+        )
+        return out.view(num_tokens, self.num_heads * self.head_size)
+
+    def extra_repr(self) -> str:
+        return (f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_size={self.head_size}, "
+                f"sliding_window={self.sliding_window}")

@@ -1,0 +1,127 @@
+"""Token embedding and LM head, split over the ranks by vocabulary rows.
+
+The vocabulary is padded so every rank holds the same number of rows, a multiple of 64 (aligned
+matmuls, and every TP size that divides the padding works). Padding rows are zero and their
+logits are cut off before anyone sees them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ferrollm.distributed import (
+    get_tensor_model_parallel_rank,
+    get_tensor_model_parallel_world_size,
+    tensor_model_parallel_all_gather,
+    tensor_model_parallel_all_reduce,
+)
+from ferrollm.model_executor.weight_utils import check_shape, copy_weight
+
+__all__ = ["DEFAULT_VOCAB_PADDING_SIZE", "ParallelLMHead", "VocabParallelEmbedding", "pad_vocab_size"]
+
+DEFAULT_VOCAB_PADDING_SIZE = 64
+
+
+def pad_vocab_size(vocab_size: int, pad_to: int = DEFAULT_VOCAB_PADDING_SIZE) -> int:
+    """Rounds ``vocab_size`` up to a multiple of ``pad_to``."""
+    return -(-vocab_size // pad_to) * pad_to
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding table whose rows are split over the ranks.
+
+    Each rank looks up the ids in its range, zeros the rest, and an all-reduce assembles the
+    embeddings.
+
+    Args:
+        num_embeddings: vocabulary size of the checkpoint.
+        embedding_dim: hidden size.
+        params_dtype: parameter dtype (default: torch's default dtype).
+        padding_size: each rank's row count is a multiple of this.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int,
+                 params_dtype: torch.dtype | None = None,
+                 padding_size: int = DEFAULT_VOCAB_PADDING_SIZE):
+        super().__init__()
+        self.tp_rank = get_tensor_model_parallel_rank()
+        self.tp_size = get_tensor_model_parallel_world_size()
+        self.org_vocab_size = num_embeddings
+        self.embedding_dim = embedding_dim
+        self.num_embeddings_padded = pad_vocab_size(num_embeddings, padding_size * self.tp_size)
+        self.num_embeddings_per_partition = self.num_embeddings_padded // self.tp_size
+        self.vocab_start_index = self.tp_rank * self.num_embeddings_per_partition
+        self.vocab_end_index = self.vocab_start_index + self.num_embeddings_per_partition
+        weight = torch.empty(self.num_embeddings_per_partition, embedding_dim, dtype=params_dtype)
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
+        """Copies this rank's rows of the full ``[vocab, hidden]`` table; zeros the padding."""
+        check_shape((self.org_vocab_size, self.embedding_dim), loaded_weight, "vocabulary table")
+        num_rows = max(0, min(self.org_vocab_size, self.vocab_end_index) - self.vocab_start_index)
+        copy_weight(param.data[:num_rows], loaded_weight.narrow(0, self.vocab_start_index, num_rows))
+        param.data[num_rows:].zero_()
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Looks up ``input_ids`` (any shape); returns ``[*input_ids.shape, hidden]``."""
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        outside = (input_ids < self.vocab_start_index) | (input_ids >= self.vocab_end_index)
+        local_ids = (input_ids - self.vocab_start_index).masked_fill(outside, 0)
+        out = F.embedding(local_ids, self.weight).masked_fill(outside[..., None], 0)
+        return tensor_model_parallel_all_reduce(out)
+
+    def extra_repr(self) -> str:
+        return (f"vocab={self.org_vocab_size} (padded {self.num_embeddings_padded}), "
+                f"dim={self.embedding_dim}, tp={self.tp_rank}/{self.tp_size}")
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """The output projection to vocabulary logits, split like :class:`VocabParallelEmbedding`.
+
+    Args:
+        num_embeddings: vocabulary size of the checkpoint.
+        embedding_dim: hidden size.
+        bias: whether the head has a bias.
+        params_dtype: parameter dtype.
+        padding_size: each rank's row count is a multiple of this.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, bias: bool = False,
+                 params_dtype: torch.dtype | None = None,
+                 padding_size: int = DEFAULT_VOCAB_PADDING_SIZE):
+        super().__init__(num_embeddings, embedding_dim, params_dtype, padding_size)
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(self.num_embeddings_per_partition, dtype=params_dtype),
+                                     requires_grad=False)
+            self.bias.weight_loader = self._bias_loader
+        else:
+            self.register_parameter("bias", None)
+
+    def _bias_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
+        check_shape((self.org_vocab_size,), loaded_weight, "lm_head bias")
+        num_rows = max(0, min(self.org_vocab_size, self.vocab_end_index) - self.vocab_start_index)
+        copy_weight(param.data[:num_rows], loaded_weight.narrow(0, self.vocab_start_index, num_rows))
+
+    def tie_weights(self, embed_tokens: VocabParallelEmbedding) -> None:
+        """Shares the input embedding's table (``tie_word_embeddings``)."""
+        self.weight = embed_tokens.weight
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("ParallelLMHead is applied with compute_logits(), not called")
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Vocabulary logits of the given hidden states.
+
+        Args:
+            hidden_states: ``[num_tokens, hidden]``, only the rows to sample from.
+
+        Returns:
+            float32 ``[num_tokens, vocab_size]``, padding removed.
+        """
+        logits = F.linear(hidden_states, self.weight, self.bias)
+        logits = tensor_model_parallel_all_gather(logits, dim=-1)
+        return logits[..., : self.org_vocab_size].float()

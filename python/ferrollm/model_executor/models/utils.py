@@ -1,0 +1,79 @@
+"""Helpers shared by the model implementations."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from ferrollm.exceptions import CheckpointError
+from ferrollm.model_executor.weight_utils import default_weight_loader
+
+__all__ = ["load_weights_into"]
+
+# (fused parameter, checkpoint projection, shard id): checkpoints keep q/k/v and gate/up apart,
+# the models fuse each group into one matmul.
+StackedParams = list[tuple[str, str, str | int]]
+
+
+def load_weights_into(
+    model: nn.Module,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    stacked_params: StackedParams,
+    skip: tuple[str, ...] = (),
+) -> set[str]:
+    """Loads HF-named checkpoint tensors through each parameter's ``weight_loader``.
+
+    Args:
+        model: the model; its parameter names follow the HF names after fusing.
+        weights: ``(name, tensor)`` pairs of the full checkpoint.
+        stacked_params: how checkpoint names map onto fused parameters.
+        skip: substrings of checkpoint names to ignore (e.g. ``rotary_emb.inv_freq``).
+
+    Returns:
+        The names of the parameters loaded.
+
+    Raises:
+        CheckpointError: for a checkpoint tensor the model has no parameter for, or a parameter
+            the checkpoint does not provide.
+    """
+    params = dict(model.named_parameters())
+    loaded: set[tuple[str, str | int | None]] = set()
+    for name, tensor in weights:
+        if any(s in name for s in skip):
+            continue
+        param_name, shard_id = _fused_name(name, stacked_params)
+        param = params.get(param_name)
+        if param is None:
+            raise CheckpointError(
+                f"checkpoint tensor {name!r} has no parameter in {type(model).__name__}"
+            )
+        loader = getattr(param, "weight_loader", default_weight_loader)
+        if shard_id is None:
+            loader(param, tensor)
+        else:
+            loader(param, tensor, shard_id)
+        loaded.add((param_name, shard_id))
+    missing = sorted(_expected_parts(params, stacked_params) - loaded, key=str)
+    if missing:
+        raise CheckpointError(
+            f"the checkpoint lacks {len(missing)} tensors, e.g. (parameter, shard) {missing[:5]}"
+        )
+    return {name for name, _ in loaded}
+
+
+def _expected_parts(params: dict[str, nn.Parameter], stacked_params: StackedParams):
+    """Every (parameter, shard id) a complete checkpoint fills; shard id None for unfused ones."""
+    expected = set()
+    for name in params:
+        shards = [sid for fused, _, sid in stacked_params if fused in name]
+        expected.update((name, sid) for sid in shards or [None])
+    return expected
+
+
+def _fused_name(name: str, stacked_params: StackedParams) -> tuple[str, str | int | None]:
+    for fused, part, shard_id in stacked_params:
+        if part in name:
+            return name.replace(part, fused), shard_id
+    return name, None

@@ -1,0 +1,78 @@
+"""Which class implements which HF architecture name (``config.architectures``).
+
+Model modules are imported on first use, so importing the registry costs nothing and a broken
+optional model cannot break the others.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from torch import nn
+
+from ferrollm.exceptions import UnsupportedModelError
+
+__all__ = ["ModelRegistry"]
+
+# architecture -> (module under ferrollm.model_executor.models, class name)
+_MODELS: dict[str, tuple[str, str]] = {
+    "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
+    "Qwen2ForCausalLM": ("qwen2", "Qwen2ForCausalLM"),
+}
+
+
+class ModelRegistry:
+    """The architectures ferrollm can run, resolved lazily to their classes."""
+
+    _models: dict[str, tuple[str, str] | type[nn.Module]] = dict(_MODELS)
+
+    @classmethod
+    def get_supported_archs(cls) -> list[str]:
+        """Architecture names that resolve, sorted."""
+        return sorted(cls._models)
+
+    @classmethod
+    def register_model(cls, architecture: str, model_cls: type[nn.Module] | str) -> None:
+        """Adds (or replaces) an architecture.
+
+        Args:
+            architecture: the name configs use, e.g. ``"MyLlamaForCausalLM"``.
+            model_cls: the class, or ``"package.module:ClassName"`` to import lazily.
+        """
+        if isinstance(model_cls, str):
+            module, _, name = model_cls.partition(":")
+            cls._models[architecture] = (module, name)
+        else:
+            cls._models[architecture] = model_cls
+
+    @classmethod
+    def resolve(cls, architectures: list[str]) -> type[nn.Module]:
+        """The class for the first supported name in ``architectures``.
+
+        Args:
+            architectures: ``config.architectures`` (after any ``hf_overrides``).
+
+        Returns:
+            The model class.
+
+        Raises:
+            UnsupportedModelError: if none of the names is supported; the message lists the
+                supported ones and how to override the checkpoint's architecture.
+        """
+        for arch in architectures or []:
+            entry = cls._models.get(arch)
+            if entry is not None:
+                return entry if isinstance(entry, type) else _import(entry)
+        raise UnsupportedModelError(
+            f"Model architectures {list(architectures or [])} are not supported. Supported "
+            f"architectures: {cls.get_supported_archs()}. If the checkpoint has one of these "
+            'layouts under another name, pass hf_overrides={"architectures": ["<name>"]}, e.g. '
+            'hf_overrides={"architectures": ["LlamaForCausalLM"]}.'
+        )
+
+
+def _import(entry: tuple[str, str]) -> type[nn.Module]:
+    module, name = entry
+    if "." not in module:
+        module = f"ferrollm.model_executor.models.{module}"
+    return getattr(importlib.import_module(module), name)

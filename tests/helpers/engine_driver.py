@@ -1,0 +1,158 @@
+"""Tiny random HF checkpoints, and a loop that drives a ferrollm model with the Rust core's steps.
+
+The loop is the model runner in miniature: schedule, wrap the arrays, forward, logits at
+``logits_indices``, greedy argmax, update. It records every sampled row's logits so tests can hold
+them against transformers' forward pass over the same sequence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import transformers
+
+import ferrollm
+from ferrollm.attention.backend import AttentionMetadata, allocate_kv_cache
+from ferrollm.model_executor.loader import get_model, iterate_safetensors
+
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=384,
+    max_position_embeddings=256,
+    # Wider than HF's default 0.02 so logits are spread out and greedy picks have clear margins.
+    initializer_range=0.2,
+)
+
+CONFIGS = {
+    "llama": lambda: transformers.LlamaConfig(**TINY),
+    "llama3_rope": lambda: transformers.LlamaConfig(
+        **TINY, attention_bias=True,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
+                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 32}),
+    "llama_linear_rope": lambda: transformers.LlamaConfig(
+        **TINY, rope_parameters={"rope_type": "linear", "rope_theta": 500.0, "factor": 2.0}),
+    "qwen2": lambda: transformers.Qwen2Config(**TINY, tie_word_embeddings=True),
+    "qwen2_sliding": lambda: transformers.Qwen2Config(
+        **TINY, use_sliding_window=True, sliding_window=6, max_window_layers=1),
+}
+
+
+def build_checkpoint(name: str, folder: Path, seed: int = 0) -> transformers.PreTrainedModel:
+    """Saves a random tiny model of kind ``name`` (see ``CONFIGS``) to ``folder``.
+
+    Returns:
+        The transformers model, float32, eval mode, never stopping at EOS.
+    """
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(CONFIGS[name](), dtype=torch.float32)
+    model.eval()
+    model.save_pretrained(folder)  # safetensors
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def load_ferrollm_model(folder: Path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """Loads the checkpoint in ``folder`` with ferrollm's loader."""
+    config = transformers.AutoConfig.from_pretrained(folder)
+    return get_model(config, dtype, iterate_safetensors(folder))
+
+
+@dataclass
+class EngineRun:
+    """What :func:`run_engine` saw."""
+
+    tokens: dict[str, list[int]]
+    logits: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+    num_steps: int = 0
+    num_chunked_steps: int = 0  # steps with a prefill chunk that did not sample
+    stats: dict = field(default_factory=dict)
+
+
+def make_prompts(num: int, seed: int, vocab: int, min_len: int = 3, max_len: int = 40,
+                 prefix: list[int] | None = None) -> list[list[int]]:
+    """``num`` random prompts of different lengths, optionally after a shared ``prefix``."""
+    rng = np.random.default_rng(seed)
+    lengths = np.linspace(min_len, max_len, num).astype(int)
+    return [list(prefix or []) + rng.integers(3, vocab, n).tolist() for n in lengths]
+
+
+@torch.no_grad()
+def run_engine(model, prompts: list[list[int]], max_tokens: int, *, block_size: int = 16,
+               num_blocks: int = 128, first_alone: bool = False, **engine_kwargs) -> EngineRun:
+    """Generates greedily for ``prompts`` through ``ferrollm.EngineCore``.
+
+    Args:
+        model: a ferrollm model.
+        prompts: token ids; request ``i`` is named ``str(i)``.
+        max_tokens: tokens to generate per request (EOS ignored).
+        block_size, num_blocks, engine_kwargs: EngineCore options.
+        first_alone: schedule one step of request 0 before adding the others, so its full
+            blocks are cached by the time they arrive (prefix-caching tests).
+
+    Returns:
+        The tokens, per-token logits and step counts.
+    """
+    engine_kwargs.setdefault("max_model_len", 128)
+    core = ferrollm.EngineCore(block_size=block_size, num_blocks=num_blocks, **engine_kwargs)
+    num_layers, num_kv_heads, head_dim = model.kv_cache_spec()
+    kv_caches = allocate_kv_cache(num_layers, num_blocks, block_size, num_kv_heads, head_dim, model.dtype)
+    params = ferrollm.SamplingOptions(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    ids = [str(i) for i in range(len(prompts))]
+    run = EngineRun(tokens={}, logits={i: [] for i in ids})
+    names: dict[int, str] = {}
+    pending = list(zip(ids, prompts))
+    if first_alone:
+        core.add_requests([ids[0]], [prompts[0]], [params])
+        pending = pending[1:]
+        _step(core, model, kv_caches, block_size, names, run)
+    core.add_requests([i for i, _ in pending], [p for _, p in pending], [params] * len(pending))
+    while core.has_unfinished_requests():
+        _step(core, model, kv_caches, block_size, names, run)
+    run.stats = core.stats()
+    return run
+
+
+def _step(core, model, kv_caches, block_size, names, run: EngineRun) -> None:
+    step = core.schedule()
+    run.num_steps += 1
+    for new in step.scheduled_new_reqs:
+        names[new.req_index] = new.request_id
+    if len(step) == 0:
+        core.update(np.zeros(0, dtype=np.int64))
+        return
+    meta = AttentionMetadata.from_step(step, block_size)
+    hidden = model(torch.from_numpy(step.input_ids), torch.from_numpy(step.positions), kv_caches, meta)
+    logits = model.compute_logits(hidden[torch.from_numpy(step.logits_indices)])
+    sampled = logits.argmax(dim=-1)
+    run.num_chunked_steps += int(not step.needs_sample.all())
+    for row, req_index in enumerate(step.req_indices.tolist()):
+        if step.needs_sample[row]:
+            run.logits[names[req_index]].append(logits[row])
+    for out in core.update(sampled.numpy()):
+        run.tokens[out.request_id] = list(out.token_ids)
+
+
+@torch.no_grad()
+def hf_greedy(hf_model, prompt: list[int], max_tokens: int) -> tuple[list[int], torch.Tensor]:
+    """transformers' greedy continuation and its logits for each generated token.
+
+    Returns:
+        ``(tokens, logits [max_tokens, vocab])`` where row ``k`` is the forward pass's logits at
+        the position that predicts token ``k``.
+    """
+    input_ids = torch.tensor([prompt])
+    # The caller has set generation_config.eos_token_id = None, so no request stops early.
+    out = hf_model.generate(input_ids, do_sample=False, max_new_tokens=max_tokens)
+    tokens = out[0, len(prompt):].tolist()
+    assert len(tokens) == max_tokens
+    logits = hf_model(out).logits[0, len(prompt) - 1 : -1].float()
+    return tokens, logits

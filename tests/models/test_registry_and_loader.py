@@ -1,0 +1,89 @@
+"""The model registry and the safetensors loader's errors and layouts."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers
+from helpers.engine_driver import TINY, build_checkpoint
+
+from ferrollm.exceptions import CheckpointError, ConfigError, UnsupportedModelError
+from ferrollm.model_executor.loader import get_model, iterate_safetensors
+from ferrollm.model_executor.models.llama import LlamaForCausalLM
+from ferrollm.model_executor.models.qwen2 import Qwen2ForCausalLM
+from ferrollm.model_executor.registry import ModelRegistry
+
+
+def test_registry_resolves_the_first_supported_architecture():
+    assert ModelRegistry.resolve(["LlamaForCausalLM"]) is LlamaForCausalLM
+    assert ModelRegistry.resolve(["Unknown", "Qwen2ForCausalLM"]) is Qwen2ForCausalLM
+
+
+def test_unknown_architecture_names_it_and_suggests_hf_overrides():
+    with pytest.raises(UnsupportedModelError) as info:
+        ModelRegistry.resolve(["MambaForCausalLM"])
+    message = str(info.value)
+    assert "MambaForCausalLM" in message and "LlamaForCausalLM" in message
+    assert 'hf_overrides={"architectures"' in message
+    assert isinstance(info.value, ConfigError) and isinstance(info.value, ValueError)
+
+
+def test_registered_architecture_is_imported_lazily(monkeypatch):
+    monkeypatch.setattr(ModelRegistry, "_models", dict(ModelRegistry._models))
+    ModelRegistry.register_model("MyLlama", "ferrollm.model_executor.models.llama:LlamaForCausalLM")
+    assert ModelRegistry.resolve(["MyLlama"]) is LlamaForCausalLM
+    assert "MyLlama" in ModelRegistry.get_supported_archs()
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("llama")
+    build_checkpoint("llama", folder)
+    return folder
+
+
+def test_sharded_checkpoint_yields_the_same_tensors(llama_dir, tmp_path):
+    model = transformers.AutoModelForCausalLM.from_pretrained(llama_dir)
+    model.save_pretrained(tmp_path, max_shard_size="100KB")
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1
+    single = dict(iterate_safetensors(llama_dir))
+    sharded = dict(iterate_safetensors(tmp_path))
+    assert single.keys() == sharded.keys()
+    assert all(torch.equal(single[k], sharded[k]) for k in single)
+
+
+def test_folder_without_safetensors_is_reported(tmp_path):
+    with pytest.raises(CheckpointError, match="no \\*.safetensors"):
+        list(iterate_safetensors(tmp_path))
+
+
+def config_of(folder):
+    return transformers.AutoConfig.from_pretrained(folder)
+
+
+def test_missing_tensor_is_reported(llama_dir):
+    weights = [(k, v) for k, v in iterate_safetensors(llama_dir) if "layers.1.self_attn.v_proj" not in k]
+    with pytest.raises(CheckpointError, match="qkv_proj.weight', 'v'"):
+        get_model(config_of(llama_dir), torch.float32, weights)
+
+
+def test_unexpected_tensor_is_reported(llama_dir):
+    weights = list(iterate_safetensors(llama_dir)) + [("model.extra.weight", torch.zeros(2))]
+    with pytest.raises(CheckpointError, match="model.extra.weight"):
+        get_model(config_of(llama_dir), torch.float32, weights)
+
+
+def test_config_that_does_not_match_the_weights_is_reported(llama_dir):
+    config = config_of(llama_dir)
+    config.intermediate_size = TINY["intermediate_size"] * 2
+    with pytest.raises(CheckpointError, match="shape"):
+        get_model(config, torch.float32, iterate_safetensors(llama_dir))
+
+
+def test_get_model_exposes_kv_cache_spec_and_eval_mode(llama_dir):
+    model = get_model(config_of(llama_dir), torch.float32, iterate_safetensors(llama_dir))
+    assert not model.training
+    assert model.kv_cache_spec() == (2, 2, TINY["hidden_size"] // TINY["num_attention_heads"])
