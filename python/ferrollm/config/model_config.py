@@ -123,5 +123,5 @@ def build_model_config(
             f"`max_model_len` must be <= {derived}, the model's maximum (max_position_embeddings "
             f"in its config). Given: {max_model_len}"
         )
-    resolved = resolve_dtype(dtype, getattr(hf_config, "torch_dtype", None) or getattr(hf_config, "dtype", None), device)
+    resolved = resolve_dtype(dtype, getattr(hf_config, "dtype", None), device)
     return ModelConfig(source, hf_config, architecture, resolved, max_model_len)

@@ -46,6 +46,15 @@ class ModelRegistry:
             cls._models[architecture] = model_cls
 
     @classmethod
+    def resolve_name(cls, architectures: list[str]) -> str:
+        """The first supported name in ``architectures`` (same errors as :meth:`resolve`)."""
+        for arch in architectures or []:
+            if arch in cls._models:
+                return arch
+        cls.resolve(architectures)  # raises the error naming them
+        raise AssertionError("unreachable")
+
+    @classmethod
     def resolve(cls, architectures: list[str]) -> type[nn.Module]:
         """The class for the first supported name in ``architectures``.
 

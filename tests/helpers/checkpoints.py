@@ -1,7 +1,9 @@
-"""Tiny random checkpoints with a tokenizer, as `LLM(model=folder)` loads them."""
+"""Tiny random checkpoints with a tokenizer, as `LLM(model=folder)` loads them. The fixtures are
+registered by the root conftest."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -14,8 +16,10 @@ torch.set_num_threads(2)
 
 def _checkpoint(kind: str, folder: Path, tokenizer_dir: Path):
     hf_model = build_checkpoint(kind, folder)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(tokenizer_dir / name, folder / name)
+    shutil.copy(tokenizer_dir / "tokenizer.json", folder / "tokenizer.json")
+    # transformers wants the plain string form of the special tokens.
+    config = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "tokenizer_class": "PreTrainedTokenizerFast"}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
     return folder, hf_model
 
 
