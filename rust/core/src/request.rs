@@ -141,7 +141,11 @@ impl SamplingOptions {
         check_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0, "in [-2, 2]")?;
         // vLLM >= 0.8.4 puts no upper bound on it.
         if !(self.repetition_penalty > 0.0 && self.repetition_penalty.is_finite()) {
-            return Err(CoreError::invalid("repetition_penalty", "a finite number > 0", self.repetition_penalty));
+            return Err(CoreError::invalid(
+                "repetition_penalty",
+                "a finite number > 0",
+                self.repetition_penalty,
+            ));
         }
         if self.stop.iter().any(String::is_empty) {
             return Err(CoreError::invalid("stop", "a list of non-empty strings", "an empty string"));

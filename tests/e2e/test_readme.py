@@ -1,0 +1,44 @@
+"""The README's offline-inference example runs as written (on a tiny checkpoint)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+
+
+def readme_example() -> str:
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+    return next(b for b in blocks if "LLM(model=" in b)
+
+
+def test_readme_example_runs(tiny_llama, capsys):
+    path, _ = tiny_llama
+    code = readme_example().replace('"path/to/checkpoint"', repr(str(path)))
+    exec(compile(code, str(README), "exec"), {})
+    printed = capsys.readouterr().out
+    assert printed.count("Prompt: ") == 2 and "Generated text: " in printed
+
+
+def test_hub_id_resolves_from_the_local_cache(tiny_llama, tmp_path, monkeypatch):
+    import shutil
+
+    from ferrollm import LLM
+
+    path, _ = tiny_llama
+    # The layout huggingface_hub keeps: models--org--name/{refs/main, snapshots/<rev>/...}.
+    repo = tmp_path / "hub" / "models--tiny-org--tiny-llama"
+    shutil.copytree(path, repo / "snapshots" / "abc123")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("abc123")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import huggingface_hub.constants as c
+
+    monkeypatch.setattr(c, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(c, "HF_HUB_OFFLINE", True)
+    with LLM(model="tiny-org/tiny-llama") as llm:
+        out = llm.generate(["hello"], use_tqdm=False)[0]
+        assert out.prompt_token_ids[0] == llm.get_tokenizer().bos_token_id
+        assert out.outputs[0].finish_reason in ("length", "stop")
