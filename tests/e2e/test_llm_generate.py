@@ -222,3 +222,22 @@ def test_close_is_idempotent_and_blocks_use(tiny_llama):
     llm.close()
     with pytest.raises(RuntimeError, match="closed"):
         llm.generate(["a"], use_tqdm=False)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "param"),
+    [
+        ({"dtype": "float8"}, "dtype"),
+        ({"device": "tpu"}, "device"),
+        ({"tensor_parallel_size": 2}, "tensor_parallel_size"),
+        ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
+        ({"block_size": 0}, "block_size"),
+        ({"max_num_seqs": 0}, "max_num_seqs"),
+        ({"max_model_len": 1}, "max_model_len"),
+        ({"max_num_batched_tokens": 8, "max_num_seqs": 16}, "max_num_batched_tokens"),
+    ],
+)
+def test_invalid_engine_options_name_the_option(tiny_llama, kwargs, param):
+    path, _ = tiny_llama
+    with pytest.raises(exc.ConfigError, match=f"`{param}`"):
+        LLM(model=str(path), **kwargs)

@@ -65,8 +65,8 @@ class LLM:
     ) -> None:
         args = EngineArgs(
             model=str(model), tokenizer=tokenizer, revision=revision, dtype=dtype, seed=seed,
-            max_model_len=max_model_len, max_num_seqs=max_num_seqs or 256,
-            max_num_batched_tokens=max_num_batched_tokens, block_size=block_size or 16,
+            max_model_len=max_model_len, max_num_seqs=256 if max_num_seqs is None else max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens, block_size=16 if block_size is None else block_size,
             enable_prefix_caching=True if enable_prefix_caching is None else enable_prefix_caching,
             hf_overrides=hf_overrides, device=device, gpu_memory_utilization=gpu_memory_utilization,
             enforce_eager=enforce_eager, tensor_parallel_size=tensor_parallel_size,

@@ -56,7 +56,7 @@ fn train_byte_level() -> tokenizers::Tokenizer {
         .build()
         .into();
     hf.train(&mut trainer, CORPUS.iter()).expect("training the test tokenizer");
-    hf.add_tokens([AddedToken::from("<extra>", false)]);
+    hf.add_tokens([AddedToken::from("<extra>", false)]).expect("a plain added token");
     hf
 }
 
