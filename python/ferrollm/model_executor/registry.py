@@ -16,8 +16,11 @@ __all__ = ["ModelRegistry"]
 
 # architecture -> (module under ferrollm.model_executor.models, class name)
 _MODELS: dict[str, tuple[str, str]] = {
+    "GraniteForCausalLM": ("granite", "GraniteForCausalLM"),
     "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
+    "MistralForCausalLM": ("mistral", "MistralForCausalLM"),
     "Qwen2ForCausalLM": ("qwen2", "Qwen2ForCausalLM"),
+    "Qwen3ForCausalLM": ("qwen3", "Qwen3ForCausalLM"),
 }
 
 
