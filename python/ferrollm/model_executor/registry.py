@@ -16,7 +16,10 @@ __all__ = ["ModelRegistry"]
 
 # architecture -> (module under ferrollm.model_executor.models, class name)
 _MODELS: dict[str, tuple[str, str]] = {
+    "GPT2LMHeadModel": ("gpt2", "GPT2LMHeadModel"),
+    "GPTNeoXForCausalLM": ("gpt_neox", "GPTNeoXForCausalLM"),
     "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
+    "OPTForCausalLM": ("opt", "OPTForCausalLM"),
     "Qwen2ForCausalLM": ("qwen2", "Qwen2ForCausalLM"),
 }
 
