@@ -1,8 +1,9 @@
-"""GPT-2, OPT and GPT-NeoX.
+"""GPT-2, OPT and GPT-NeoX, and the routed-expert layer.
 
 Tiny random checkpoints driven by the Rust core's steps reproduce transformers' greedy tokens and
-logits, and two gloo ranks reproduce one; each model loads the other checkpoint layouts found in
-the wild to the same parameters.
+logits, and two gloo ranks reproduce one; the grouped routed-expert path matches a per-token
+reference and splits over TP ranks; each model loads the other checkpoint layouts found in the
+wild to the same parameters.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.multiprocessing as mp
+import torch.nn.functional as F
 import transformers
 from helpers.engine_driver import (
     MORE_CONFIGS,
@@ -24,8 +26,10 @@ from helpers.engine_driver import (
 )
 from helpers.tp_worker import run_rank
 
+from ferrollm.distributed import init_tensor_model_parallel
 from ferrollm.exceptions import UnsupportedModelError
 from ferrollm.model_executor.layers.activation import get_act_fn
+from ferrollm.model_executor.layers.fused_moe import FusedMoE, fused_moe, select_experts
 from ferrollm.model_executor.layers.rotary import rope_parameters
 from ferrollm.model_executor.loader import get_model, iterate_safetensors
 
@@ -106,6 +110,70 @@ def test_two_ranks_match_one(tmp_path):
         for req, logits in single.logits.items():
             torch.testing.assert_close(torch.stack(sharded["logits"][req]), torch.stack(logits),
                                        atol=1e-4, rtol=0, msg=folder.name)
+
+
+# ---- the routed-expert path ---------------------------------------------------------------
+
+
+def per_token_moe(x, w13, w2, router_logits, top_k, renormalize):
+    """The definition, one token and one chosen expert at a time."""
+    out = torch.zeros_like(x)
+    probs = router_logits.softmax(-1)
+    for t in range(len(x)):
+        weights, experts = probs[t].topk(top_k)
+        if renormalize:
+            weights = weights / weights.sum()
+        for weight, e in zip(weights, experts.tolist()):
+            gate, up = (w13[e] @ x[t]).chunk(2)
+            out[t] += weight * (w2[e] @ (F.silu(gate) * up))
+    return out
+
+
+def random_experts(num_experts=6, hidden=16, intermediate=24, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    w13 = torch.randn(num_experts, 2 * intermediate, hidden, generator=gen) * 0.3
+    w2 = torch.randn(num_experts, hidden, intermediate, generator=gen) * 0.3
+    return w13, w2
+
+
+@pytest.mark.parametrize("num_tokens", [0, 1, 37])
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_fused_moe_matches_per_token_reference(num_tokens, renormalize):
+    w13, w2 = random_experts()
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(num_tokens, w13.shape[2], generator=gen)
+    router_logits = torch.randn(num_tokens, w13.shape[0], generator=gen) * 2
+    weights, ids = select_experts(router_logits, 2, renormalize)
+    out = fused_moe(x, w13, w2, weights, ids)
+    expected = per_token_moe(x, w13, w2, router_logits, 2, renormalize)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.fixture
+def set_tp():
+    yield init_tensor_model_parallel
+    init_tensor_model_parallel(0, 1)
+
+
+@pytest.mark.parametrize("tp_size", [1, 2, 4])
+def test_fused_moe_ranks_load_slices_whose_partial_sums_add_up(set_tp, tp_size):
+    num_experts, hidden, intermediate = 6, 16, 24
+    w13, w2 = random_experts(num_experts, hidden, intermediate)
+    x = torch.randn(9, hidden)
+    router_logits = torch.randn(9, num_experts)
+    total = torch.zeros_like(x)
+    for rank in range(tp_size):
+        set_tp(rank, tp_size)
+        layer = FusedMoE(num_experts, 2, hidden, intermediate, renormalize=True, reduce_results=False)
+        for e in range(num_experts):
+            gate, up = w13[e].chunk(2)
+            layer.w13_weight.weight_loader(layer.w13_weight, gate, ("gate", e))
+            layer.w13_weight.weight_loader(layer.w13_weight, up, ("up", e))
+            layer.w2_weight.weight_loader(layer.w2_weight, w2[e], ("down", e))
+        assert layer.w13_weight.shape == (num_experts, 2 * intermediate // tp_size, hidden)
+        total += layer(x, router_logits)
+    expected = per_token_moe(x, w13, w2, router_logits, 2, True)
+    torch.testing.assert_close(total, expected, atol=1e-5, rtol=1e-5)
 
 
 # ---- checkpoint layouts ---------------------------------------------------------------------
