@@ -46,9 +46,11 @@ CONFIGS = {
 
 # Multi-head-only architectures (GPT-2, OPT, GPT-NeoX) take the same sizes without KV grouping.
 TINY_MHA = {k: v for k, v in TINY.items() if k != "num_key_value_heads"}
+# Four experts, two per token, experts smaller than the dense MLP (as in real MoE checkpoints).
+TINY_MOE = dict(TINY, intermediate_size=32, num_experts_per_tok=2)
 EAGER = dict(attn_implementation="eager")
 
-# Learned-position and LayerNorm architectures, kept apart from CONFIGS so
+# Learned-position, LayerNorm and mixture-of-experts architectures, kept apart from CONFIGS so
 # test_tiny_models.py (which runs every CONFIGS entry) and test_archs_b.py (which runs these
 # through the same scenarios) do not both drive them.
 MORE_CONFIGS = {
@@ -70,6 +72,11 @@ MORE_CONFIGS = {
         **TINY_MHA, use_parallel_residual=False, tie_word_embeddings=True,
         rope_parameters={"rope_type": "default", "rope_theta": 500.0, "partial_rotary_factor": 0.5},
         **EAGER),
+    "mixtral": lambda: transformers.MixtralConfig(**TINY_MOE, num_local_experts=4, **EAGER),
+    # Layer 0 routed (with the gated shared expert), layer 1 dense; top-k weights not renormalised.
+    "qwen2_moe": lambda: transformers.Qwen2MoeConfig(
+        **dict(TINY_MOE, intermediate_size=96), num_experts=4, moe_intermediate_size=32,
+        shared_expert_intermediate_size=48, mlp_only_layers=[1], norm_topk_prob=False, **EAGER),
 }
 
 

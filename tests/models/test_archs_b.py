@@ -1,4 +1,4 @@
-"""GPT-2, OPT and GPT-NeoX, and the routed-expert layer.
+"""GPT-2, OPT, GPT-NeoX, Mixtral and Qwen2-MoE.
 
 Tiny random checkpoints driven by the Rust core's steps reproduce transformers' greedy tokens and
 logits, and two gloo ranks reproduce one; the grouped routed-expert path matches a per-token
@@ -8,6 +8,7 @@ wild to the same parameters.
 
 from __future__ import annotations
 
+import shutil
 from types import SimpleNamespace
 
 import pytest
@@ -25,6 +26,7 @@ from helpers.engine_driver import (
     run_engine,
 )
 from helpers.tp_worker import run_rank
+from safetensors.torch import save_file
 
 from ferrollm.distributed import init_tensor_model_parallel
 from ferrollm.exceptions import UnsupportedModelError
@@ -92,8 +94,8 @@ def test_greedy_tokens_and_logits_match_transformers(checkpoint, scenario):
 
 
 def test_two_ranks_match_one(tmp_path):
-    """Every sharded piece: fused, transposed and regrouped qkv, replicated projections and
-    position tables."""
+    """Every sharded piece: fused/transposed/regrouped qkv, experts split by intermediate size,
+    the shared expert's single reduction, replicated projections and position tables."""
     folders = [tmp_path / arch for arch in ARCHS]
     for arch, folder in zip(ARCHS, folders):
         build_checkpoint(arch, folder)
@@ -224,6 +226,19 @@ def test_older_checkpoint_names_load_the_same_parameters(tmp_path, arch, rename)
     assert_same_parameters(load_ferrollm_model(tmp_path), load_renamed(tmp_path, rename))
 
 
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
+def test_stacked_expert_checkpoints_load_the_same_parameters(tmp_path, arch):
+    """transformers 5 holds experts stacked; a checkpoint saved from its state dict keeps them so."""
+    hf_model = build_checkpoint(arch, tmp_path / "per_expert")
+    stacked = tmp_path / "stacked"
+    stacked.mkdir()
+    shutil.copy(tmp_path / "per_expert" / "config.json", stacked)
+    state = {name: tensor.contiguous() for name, tensor in hf_model.state_dict().items()}
+    assert any(name.endswith("mlp.experts.gate_up_proj") for name in state)
+    save_file(state, str(stacked / "model.safetensors"))
+    assert_same_parameters(load_ferrollm_model(tmp_path / "per_expert"), load_ferrollm_model(stacked))
+
+
 # ---- layers ----------------------------------------------------------------------------------
 
 
@@ -245,7 +260,10 @@ def test_rope_parameters_read_pre_transformers_5_gpt_neox_names():
 def test_unsupported_options_are_refused():
     gpt2 = MORE_CONFIGS["gpt2"]()
     gpt2.architectures, gpt2.add_cross_attention = ["GPT2LMHeadModel"], True
-    with pytest.raises(UnsupportedModelError, match="add_cross_attention"):
-        get_model(gpt2, torch.float32, [])
+    mixtral = MORE_CONFIGS["mixtral"]()
+    mixtral.architectures, mixtral.hidden_act = ["MixtralForCausalLM"], "gelu"
+    for config, match in ((gpt2, "add_cross_attention"), (mixtral, "hidden_act 'gelu'")):
+        with pytest.raises(UnsupportedModelError, match=match):
+            get_model(config, torch.float32, [])
     with pytest.raises(UnsupportedModelError, match="'relu2'"):
         get_act_fn("relu2")

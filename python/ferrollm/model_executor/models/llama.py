@@ -102,7 +102,7 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """Embedding, decoder layers and the final norm."""
 
-    def __init__(self, config: PretrainedConfig, dtype: torch.dtype, layers: list[LlamaDecoderLayer]):
+    def __init__(self, config: PretrainedConfig, dtype: torch.dtype, layers: Iterable[nn.Module]):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype)
         self.layers = nn.ModuleList(layers)
