@@ -66,10 +66,45 @@ CONFIGS = {
         logits_scaling=2.0),
 }
 
+# Multi-head-only architectures (GPT-2, OPT, GPT-NeoX) take the same sizes without KV grouping.
+TINY_MHA = {k: v for k, v in TINY.items() if k != "num_key_value_heads"}
+# Four experts, two per token, experts smaller than the dense MLP (as in real MoE checkpoints).
+TINY_MOE = dict(TINY, intermediate_size=32, num_experts_per_tok=2)
+EAGER = dict(attn_implementation="eager")
+
+# Learned-position, LayerNorm and mixture-of-experts architectures, kept apart from CONFIGS so
+# test_tiny_models.py (which runs every CONFIGS entry) and test_archs_b.py (which runs these
+# through the same scenarios) do not both drive them.
+MORE_CONFIGS = {
+    "gpt2": lambda: transformers.GPT2Config(
+        n_embd=64, n_inner=128, n_layer=2, n_head=4, vocab_size=384, n_positions=256,
+        initializer_range=0.2, bos_token_id=1, eos_token_id=2, **EAGER),
+    # facebook/opt-125m's layout: pre-LN, embeddings in the hidden size, final norm.
+    "opt": lambda: transformers.OPTConfig(
+        hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4, vocab_size=384,
+        max_position_embeddings=256, init_std=0.2, **EAGER),
+    # facebook/opt-350m's layout: post-LN, no final norm, 32-wide embeddings projected in and out.
+    "opt_post_ln_projected": lambda: transformers.OPTConfig(
+        hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4, vocab_size=384,
+        max_position_embeddings=256, init_std=0.2, do_layer_norm_before=False,
+        word_embed_proj_dim=32, **EAGER),
+    # Pythia's layout: parallel residual, a quarter of each head rotated (older `rotary_pct` name).
+    "gpt_neox": lambda: transformers.GPTNeoXConfig(**TINY_MHA, rotary_pct=0.25, **EAGER),
+    "gpt_neox_sequential": lambda: transformers.GPTNeoXConfig(
+        **TINY_MHA, use_parallel_residual=False, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 500.0, "partial_rotary_factor": 0.5},
+        **EAGER),
+    "mixtral": lambda: transformers.MixtralConfig(**TINY_MOE, num_local_experts=4, **EAGER),
+    # Layer 0 routed (with the gated shared expert), layer 1 dense; top-k weights not renormalised.
+    "qwen2_moe": lambda: transformers.Qwen2MoeConfig(
+        **dict(TINY_MOE, intermediate_size=96), num_experts=4, moe_intermediate_size=32,
+        shared_expert_intermediate_size=48, mlp_only_layers=[1], norm_topk_prob=False, **EAGER),
+}
+
 
 def build_checkpoint(name: str, folder: Path, seed: int = 0,
                      perturb_norms: bool = False) -> transformers.PreTrainedModel:
-    """Saves a random tiny model of kind ``name`` (see ``CONFIGS``) to ``folder``.
+    """Saves a random tiny model of kind ``name`` (see ``CONFIGS``, ``MORE_CONFIGS``) to ``folder``.
 
     Args:
         perturb_norms: add noise to the norm weights, which transformers initialises to a
@@ -79,8 +114,8 @@ def build_checkpoint(name: str, folder: Path, seed: int = 0,
         The transformers model, float32, eager attention, eval mode, never stopping at EOS.
     """
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(
-        CONFIGS[name](), dtype=torch.float32, attn_implementation="eager")
+    config = (CONFIGS.get(name) or MORE_CONFIGS[name])()
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager")
     model.eval()
     if perturb_norms:
         with torch.no_grad():

@@ -1,4 +1,5 @@
-"""Activations of gated MLPs, applied to a fused ``[gate, up]`` projection."""
+"""Activations: the gated ones of Llama/Gemma-style MLPs, applied to a fused ``[gate, up]``
+projection, and the plain element-wise ones HF configs name."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from torch import nn
 
 from ferrollm.exceptions import UnsupportedModelError
 
-__all__ = ["GeluAndMul", "SiluAndMul", "get_act_and_mul"]
+__all__ = ["GeluAndMul", "QuickGELU", "SiluAndMul", "get_act_and_mul", "get_act_fn"]
 
 
 class SiluAndMul(nn.Module):
@@ -65,5 +66,46 @@ def get_act_and_mul(name: str) -> nn.Module:
     if factory is None:
         raise UnsupportedModelError(
             f"hidden_act {name!r} is not supported; supported: {sorted(_ACT_AND_MUL)}"
+        )
+    return factory()
+
+
+class QuickGELU(nn.Module):
+    """``x * sigmoid(1.702 x)``, the sigmoid approximation of GELU (CLIP-style configs)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.sigmoid(1.702 * x)
+
+
+# HF's `hidden_act` / `activation_function` names. gelu_new, gelu_fast and gelu_pytorch_tanh are
+# all the tanh approximation written three ways; torch's fused version agrees to float rounding.
+_ACTIVATIONS: dict[str, Callable[[], nn.Module]] = {
+    "gelu": lambda: nn.GELU(),
+    "gelu_new": lambda: nn.GELU(approximate="tanh"),
+    "gelu_fast": lambda: nn.GELU(approximate="tanh"),
+    "gelu_pytorch_tanh": lambda: nn.GELU(approximate="tanh"),
+    "quick_gelu": QuickGELU,
+    "relu": lambda: nn.ReLU(),
+    "silu": lambda: nn.SiLU(),
+    "swish": lambda: nn.SiLU(),
+}
+
+
+def get_act_fn(name: str) -> nn.Module:
+    """The element-wise activation an HF config names.
+
+    Args:
+        name: e.g. ``"gelu_new"`` (GPT-2), ``"relu"`` (OPT), ``"gelu"`` (GPT-NeoX).
+
+    Returns:
+        The module.
+
+    Raises:
+        UnsupportedModelError: for a name not in the list, which the message gives.
+    """
+    factory = _ACTIVATIONS.get(name)
+    if factory is None:
+        raise UnsupportedModelError(
+            f"activation {name!r} is not supported; supported: {sorted(_ACTIVATIONS)}"
         )
     return factory()

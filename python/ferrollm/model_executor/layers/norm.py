@@ -1,11 +1,13 @@
-"""RMSNorm (Llama's, and Gemma's ``1 + weight`` flavour) with the residual add fused in."""
+"""Normalisations: RMSNorm (Llama's, and Gemma's ``1 + weight`` flavour) with the residual add
+fused in, and LayerNorm (GPT-2, OPT, GPT-NeoX)."""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["GemmaRMSNorm", "RMSNorm"]
+__all__ = ["GemmaRMSNorm", "LayerNorm", "RMSNorm"]
 
 
 class RMSNorm(nn.Module):
@@ -70,3 +72,39 @@ class GemmaRMSNorm(RMSNorm):
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
         return (h * (1.0 + self.weight.float())).to(x.dtype)
+
+
+class LayerNorm(nn.Module):
+    """``(x - mean) / sqrt(var + eps) * weight + bias`` over the last dimension, as ``nn.LayerNorm``.
+
+    Replicated on every rank. Parameters are only created when the checkpoint has them, so
+    ``load_weights`` can insist on every parameter being filled.
+
+    Args:
+        hidden_size: size of the last dimension.
+        eps: added to the variance.
+        params_dtype: dtype of ``weight`` and ``bias``.
+        elementwise_affine: whether there is a learned ``weight`` (OPT's
+            ``layer_norm_elementwise_affine``).
+        bias: whether there is a learned ``bias`` (only with ``elementwise_affine``).
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5, params_dtype: torch.dtype | None = None,
+                 elementwise_affine: bool = True, bias: bool = True):
+        super().__init__()
+        self.hidden_size = hidden_size
+        self.eps = eps
+        if elementwise_affine:
+            self.weight = nn.Parameter(torch.ones(hidden_size, dtype=params_dtype), requires_grad=False)
+        else:
+            self.register_parameter("weight", None)
+        if elementwise_affine and bias:
+            self.bias = nn.Parameter(torch.zeros(hidden_size, dtype=params_dtype), requires_grad=False)
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, (self.hidden_size,), self.weight, self.bias, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{self.hidden_size}, eps={self.eps}, affine={self.weight is not None}"

@@ -114,12 +114,19 @@ def rope_parameters(config: Any) -> dict[str, Any]:
     and an optional ``rope_scaling`` dict whose type key is ``type`` or ``rope_type``.
 
     Returns:
-        A dict with at least ``rope_type`` and ``rope_theta``, plus the scaling fields.
+        A dict with at least ``rope_type`` and ``rope_theta``, plus the scaling fields and
+        ``partial_rotary_factor`` when the config rotates only part of each head.
     """
     params = dict(getattr(config, "rope_parameters", None) or {})
     params.update(getattr(config, "rope_scaling", None) or {})
     params.setdefault("rope_type", params.pop("type", "default"))
-    params.setdefault("rope_theta", getattr(config, "rope_theta", None) or 10000.0)
+    # GPT-NeoX configs written before transformers 5 name the base and the rotated fraction
+    # `rotary_emb_base` and `rotary_pct`; others keep `partial_rotary_factor` at the top level.
+    theta = getattr(config, "rope_theta", None) or getattr(config, "rotary_emb_base", None)
+    params.setdefault("rope_theta", theta or 10000.0)
+    for key in ("partial_rotary_factor", "rotary_pct"):
+        if getattr(config, key, None) is not None:
+            params.setdefault("partial_rotary_factor", getattr(config, key))
     if params["rope_type"] == "llama3":
         params.setdefault("original_max_position_embeddings", config.max_position_embeddings)
     return params

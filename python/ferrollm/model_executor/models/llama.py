@@ -151,7 +151,7 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """Embedding (optionally scaled), decoder layers and the final norm."""
 
-    def __init__(self, config: PretrainedConfig, dtype: torch.dtype, layers: list[nn.Module],
+    def __init__(self, config: PretrainedConfig, dtype: torch.dtype, layers: Iterable[nn.Module],
                  norm: nn.Module, embed_scale: float | None = None):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Hashable, Iterable, Sequence
 
 import torch
 from torch import nn
@@ -13,8 +13,9 @@ from ferrollm.model_executor.weight_utils import default_weight_loader
 __all__ = ["layer_sliding_window", "load_weights_into"]
 
 # (fused parameter, checkpoint projection, shard id): checkpoints keep q/k/v and gate/up apart,
-# the models fuse each group into one matmul.
-StackedParams = list[tuple[str, str, str | int]]
+# the models fuse each group into one matmul. The shard id is passed to the parameter's
+# weight_loader as is: "q"/"k"/"v", a projection index, or e.g. ("gate", expert) for stacked experts.
+StackedParams = Sequence[tuple[str, str, Hashable]]
 
 
 def load_weights_into(
@@ -39,7 +40,7 @@ def load_weights_into(
             the checkpoint does not provide.
     """
     params = dict(model.named_parameters())
-    loaded: set[tuple[str, str | int | None]] = set()
+    loaded: set[tuple[str, Hashable]] = set()
     for name, tensor in weights:
         if any(s in name for s in skip):
             continue
@@ -72,7 +73,7 @@ def _expected_parts(params: dict[str, nn.Parameter], stacked_params: StackedPara
     return expected
 
 
-def _fused_name(name: str, stacked_params: StackedParams) -> tuple[str, str | int | None]:
+def _fused_name(name: str, stacked_params: StackedParams) -> tuple[str, Hashable]:
     for fused, part, shard_id in stacked_params:
         if part in name:
             return name.replace(part, fused), shard_id
