@@ -20,11 +20,17 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Qwen2ForCausalLM": ("qwen2", "Qwen2ForCausalLM"),
 }
 
+# Encoder-only architectures: they run only as pooling (embedding) models.
+_POOLING_MODELS: dict[str, tuple[str, str]] = {
+    "BertModel": ("bert", "BertModel"),
+    "BertForMaskedLM": ("bert", "BertModel"),
+}
+
 
 class ModelRegistry:
     """The architectures ferrollm can run, resolved lazily to their classes."""
 
-    _models: dict[str, tuple[str, str] | type[nn.Module]] = dict(_MODELS)
+    _models: dict[str, tuple[str, str] | type[nn.Module]] = {**_MODELS, **_POOLING_MODELS}
 
     @classmethod
     def get_supported_archs(cls) -> list[str]:
@@ -53,6 +59,11 @@ class ModelRegistry:
                 return arch
         cls.resolve(architectures)  # raises the error naming them
         raise AssertionError("unreachable")
+
+    @classmethod
+    def is_pooling_only(cls, architectures: list[str]) -> bool:
+        """Whether the resolved class is an encoder that can only pool (``is_pooling_model``)."""
+        return bool(getattr(cls.resolve(architectures), "is_pooling_model", False))
 
     @classmethod
     def resolve(cls, architectures: list[str]) -> type[nn.Module]:
