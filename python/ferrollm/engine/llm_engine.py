@@ -18,6 +18,7 @@ import torch
 
 from ferrollm._core import EngineCore, EngineCoreOutput, SamplingOptions
 from ferrollm.attention.backend import allocate_kv_cache
+from ferrollm.config.generation_config import default_sampling_fields
 from ferrollm.config.model_config import ModelConfig, build_model_config
 from ferrollm.config.model_source import resolve_model_source
 from ferrollm.engine.kv_memory import bytes_per_block, cpu_kv_cache_bytes, num_kv_blocks
@@ -51,6 +52,8 @@ class EngineArgs:
     runner: str = "auto"
     convert: str = "auto"
     pooler_config: Any = None
+    generation_config: str = "auto"
+    override_generation_config: dict[str, Any] | None = None
 
     def validate(self) -> None:
         if self.tensor_parallel_size != 1:
@@ -81,6 +84,11 @@ class LLMEngine:
         self.tokenizers = tokenizers
         self.core = core
         self.runner = runner
+        # The model's recommended SamplingParams fields (generation_config.json), for
+        # `LLM.get_default_sampling_params`.
+        self.default_sampling_fields = default_sampling_fields(
+            args.generation_config, model_config.source.folder, args.override_generation_config,
+            has_file=not model_config.source.is_gguf)
 
     @classmethod
     def from_args(cls, args: EngineArgs) -> LLMEngine:

@@ -51,6 +51,10 @@ class LLM(PoolingMixin):
             embedding model (last-token pooling, normalized, unless its config says otherwise).
         pooler_config: a `PoolerConfig` or dict (``pooling_type``, ``normalize``) overriding
             the pooling model's defaults.
+        generation_config: "auto" takes default sampling parameters from the model's
+            generation_config.json when `generate` gets none; "vllm" ignores the file; a folder
+            path reads the file there.
+        override_generation_config: fields merged over the generation config.
     """
 
     def __init__(
@@ -75,6 +79,8 @@ class LLM(PoolingMixin):
         runner: str = "auto",
         convert: str = "auto",
         pooler_config: Any = None,
+        generation_config: str = "auto",
+        override_generation_config: dict[str, Any] | None = None,
     ) -> None:
         args = EngineArgs(
             model=str(model), tokenizer=tokenizer, revision=revision, dtype=dtype, seed=seed,
@@ -84,6 +90,7 @@ class LLM(PoolingMixin):
             hf_overrides=hf_overrides, device=device, gpu_memory_utilization=gpu_memory_utilization,
             enforce_eager=enforce_eager, tensor_parallel_size=tensor_parallel_size,
             runner=runner, convert=convert, pooler_config=pooler_config,
+            generation_config=generation_config, override_generation_config=override_generation_config,
         )
         self.llm_engine: LLMEngine | None = LLMEngine.from_args(args)
         self._request_counter = itertools.count()
@@ -111,6 +118,16 @@ class LLM(PoolingMixin):
     def get_tokenizer(self) -> Any:
         """The model's transformers tokenizer."""
         return self._engine().tokenizers.hf
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The parameters `generate` uses when given none: the model's generation_config.json
+        fields (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens as
+        max_tokens) over vLLM's defaults, unless the LLM was built with generation_config="vllm".
+
+        Returns:
+            A new `SamplingParams`.
+        """
+        return SamplingParams(**self._engine().default_sampling_fields)
 
     # -- generation --------------------------------------------------------------------------
 
@@ -178,6 +195,8 @@ class LLM(PoolingMixin):
         if engine.model_config.is_pooling:
             raise InvalidRequestError(_not_generative(engine))
         items = normalize_prompts(prompts, engine.vocab_size)
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
         params = _expand_params(sampling_params, len(items))
         if priority is not None and len(priority) != len(items):
             raise InvalidRequestError(f"`priority` must have one entry per prompt ({len(items)}). Given: {len(priority)} entries")
@@ -228,8 +247,6 @@ def _not_generative(engine: LLMEngine) -> str:
 
 
 def _expand_params(sampling_params, n: int) -> list[SamplingParams]:
-    if sampling_params is None:
-        return [SamplingParams()] * n
     if isinstance(sampling_params, SamplingParams):
         return [sampling_params] * n
     params = list(sampling_params)
