@@ -19,7 +19,12 @@ fn request(tokens: &[u32]) -> Request {
 
 /// A manager whose cache holds every full block of `tokens`, all freed.
 fn warm_manager(tokens: &[u32]) -> KVCacheManager {
-    let cfg = CacheConfig { block_size: BLOCK_SIZE, num_blocks: 1024, enable_prefix_caching: true };
+    let cfg = CacheConfig {
+        block_size: BLOCK_SIZE,
+        num_blocks: 1024,
+        enable_prefix_caching: true,
+        sliding_window: None,
+    };
     let mut m = KVCacheManager::new(&cfg);
     let mut req = request(tokens);
     m.allocate_slots(0, &mut req, tokens.len(), &[], 0).expect("cache holds the prompt");

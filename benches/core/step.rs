@@ -16,7 +16,12 @@ const STEPS_PER_ENGINE: u64 = 64;
 
 fn engine() -> EngineCore {
     let cfg = EngineConfig {
-        cache: CacheConfig { block_size: 16, num_blocks: 4096, enable_prefix_caching: true },
+        cache: CacheConfig {
+            block_size: 16,
+            num_blocks: 4096,
+            enable_prefix_caching: true,
+            sliding_window: None,
+        },
         scheduler: SchedulerConfig {
             max_num_seqs: NUM_REQS,
             max_num_batched_tokens: NUM_REQS * PROMPT_LEN,

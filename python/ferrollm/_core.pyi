@@ -191,6 +191,7 @@ class EngineCore:
         enable_chunked_prefill: bool = True,
         scheduling_policy: str = "fcfs",
         stream_outputs: bool = False,
+        sliding_window: int | None = None,
     ) -> EngineCore: ...
     def add_requests(
         self,

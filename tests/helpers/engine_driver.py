@@ -42,18 +42,51 @@ CONFIGS = {
     "qwen2": lambda: transformers.Qwen2Config(**TINY, tie_word_embeddings=True),
     "qwen2_sliding": lambda: transformers.Qwen2Config(
         **TINY, use_sliding_window=True, sliding_window=6, max_window_layers=1),
+    # Every layer slides.
+    "mistral_sliding": lambda: transformers.MistralConfig(**TINY, sliding_window=7),
+    # head_dim 32 != hidden / heads; layer 1 slides.
+    "qwen3": lambda: transformers.Qwen3Config(
+        **TINY, head_dim=32, use_sliding_window=True, sliding_window=6, max_window_layers=1),
+    "gemma": lambda: transformers.GemmaConfig(**TINY, head_dim=32),
+    # Layers slide, attend globally, slide; caps small enough to bite on these logits.
+    "gemma2": lambda: transformers.Gemma2Config(
+        **{**TINY, "num_hidden_layers": 3}, head_dim=16, sliding_window=6, query_pre_attn_scalar=24,
+        attn_logit_softcapping=5.0, final_logit_softcapping=3.0),
+    "gemma3": lambda: transformers.Gemma3TextConfig(
+        **{**TINY, "num_hidden_layers": 3}, head_dim=32, sliding_window=6, query_pre_attn_scalar=32,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                         "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}}),
+    # Half the head rotated; every layer slides. Phi3's default pad/eos ids exceed the tiny vocab.
+    "phi3": lambda: transformers.Phi3Config(
+        **TINY, sliding_window=8, pad_token_id=0, eos_token_id=2,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
+    "granite": lambda: transformers.GraniteConfig(
+        **TINY, embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.1,
+        logits_scaling=2.0),
 }
 
 
-def build_checkpoint(name: str, folder: Path, seed: int = 0) -> transformers.PreTrainedModel:
+def build_checkpoint(name: str, folder: Path, seed: int = 0,
+                     perturb_norms: bool = False) -> transformers.PreTrainedModel:
     """Saves a random tiny model of kind ``name`` (see ``CONFIGS``) to ``folder``.
 
+    Args:
+        perturb_norms: add noise to the norm weights, which transformers initialises to a
+            constant, so that swapped or mis-offset norms show in the outputs.
+
     Returns:
-        The transformers model, float32, eval mode, never stopping at EOS.
+        The transformers model, float32, eager attention, eval mode, never stopping at EOS.
     """
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(CONFIGS[name](), dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_config(
+        CONFIGS[name](), dtype=torch.float32, attn_implementation="eager")
     model.eval()
+    if perturb_norms:
+        with torch.no_grad():
+            for param_name, param in model.named_parameters():
+                if "norm" in param_name:
+                    param.add_(torch.randn_like(param) * 0.2)
     model.save_pretrained(folder)  # safetensors
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0

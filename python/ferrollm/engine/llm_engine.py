@@ -197,12 +197,16 @@ def _build_core(args: EngineArgs, mc: ModelConfig, model, tokenizers: Tokenizers
     dtype_size = torch.tensor([], dtype=mc.dtype).element_size()
     block_bytes = bytes_per_block(num_layers, num_kv_heads, head_dim, args.block_size, dtype_size)
     budget = cpu_kv_cache_bytes() if device.type == "cpu" else _gpu_kv_budget(args, device)
-    num_blocks = num_kv_blocks(budget, block_bytes, args.block_size, mc.max_model_len, args.max_num_seqs)
     batched = args.max_num_batched_tokens or max(8192, args.max_num_seqs)
+    # When every layer slides, the core frees blocks behind the window: a sequence then holds
+    # at most the window plus one step's chunk, whatever its length.
+    window = model.sliding_window_spec() if hasattr(model, "sliding_window_spec") else None
+    seq_tokens = mc.max_model_len if window is None else min(mc.max_model_len, window + batched + 2 * args.block_size)
+    num_blocks = num_kv_blocks(budget, block_bytes, args.block_size, seq_tokens, args.max_num_seqs)
     core = EngineCore(
         tokenizer=tokenizers.core, block_size=args.block_size, num_blocks=num_blocks,
         enable_prefix_caching=args.enable_prefix_caching, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=batched, max_model_len=mc.max_model_len,
+        max_num_batched_tokens=batched, max_model_len=mc.max_model_len, sliding_window=window,
     )
     kv_caches = allocate_kv_cache(num_layers, num_blocks, args.block_size, num_kv_heads, head_dim, mc.dtype, device)
     runner = ModelRunner(model, kv_caches, args.block_size, device,

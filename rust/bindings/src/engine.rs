@@ -41,7 +41,7 @@ impl PyEngineCore {
     #[pyo3(signature = (
         *, tokenizer=None, block_size=16, num_blocks=1024, enable_prefix_caching=true,
         max_num_seqs=256, max_num_batched_tokens=8192, max_model_len=4096,
-        enable_chunked_prefill=true, scheduling_policy="fcfs", stream_outputs=false
+        enable_chunked_prefill=true, scheduling_policy="fcfs", stream_outputs=false, sliding_window=None
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -56,9 +56,10 @@ impl PyEngineCore {
         enable_chunked_prefill: bool,
         scheduling_policy: &str,
         stream_outputs: bool,
+        sliding_window: Option<usize>,
     ) -> PyResult<Self> {
         let cfg = EngineConfig {
-            cache: CacheConfig { block_size, num_blocks, enable_prefix_caching },
+            cache: CacheConfig { block_size, num_blocks, enable_prefix_caching, sliding_window },
             scheduler: SchedulerConfig {
                 max_num_seqs,
                 max_num_batched_tokens,

@@ -36,11 +36,14 @@ pub struct CacheConfig {
     pub num_blocks: usize,
     /// Reuse full blocks across requests whose token prefixes hash alike.
     pub enable_prefix_caching: bool,
+    /// Set when every attention layer looks back at most this many tokens: blocks wholly
+    /// outside the window are freed while a request runs, so memory follows the window.
+    pub sliding_window: Option<usize>,
 }
 
 impl Default for CacheConfig {
     fn default() -> Self {
-        Self { block_size: 16, num_blocks: 1024, enable_prefix_caching: true }
+        Self { block_size: 16, num_blocks: 1024, enable_prefix_caching: true, sliding_window: None }
     }
 }
 
@@ -115,8 +118,17 @@ impl EngineConfig {
                 s.max_num_batched_tokens,
             ));
         }
+        if c.sliding_window == Some(0) {
+            return Err(CoreError::config("sliding_window", ">= 1 or None", 0));
+        }
         let capacity = (c.num_blocks - 1) * c.block_size;
-        if capacity < s.max_model_len {
+        // With a window, a request holds at most the window plus one step's chunk (and a block
+        // of rounding on each side).
+        let needed = match c.sliding_window {
+            Some(w) => s.max_model_len.min(w + s.max_num_batched_tokens + 2 * c.block_size),
+            None => s.max_model_len,
+        };
+        if capacity < needed {
             return Err(CoreError::KvCacheTooSmall {
                 num_blocks: c.num_blocks - 1,
                 block_size: c.block_size,

@@ -62,7 +62,12 @@ struct World {
 
 impl World {
     fn new() -> Self {
-        let cfg = CacheConfig { block_size: BLOCK_SIZE, num_blocks: NUM_BLOCKS, enable_prefix_caching: true };
+        let cfg = CacheConfig {
+            block_size: BLOCK_SIZE,
+            num_blocks: NUM_BLOCKS,
+            enable_prefix_caching: true,
+            sliding_window: None,
+        };
         Self {
             m: KVCacheManager::new(&cfg),
             reqs: (0..NUM_SLOTS).map(|_| None).collect(),

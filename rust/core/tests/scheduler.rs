@@ -236,3 +236,32 @@ fn update_rejects_a_token_count_that_does_not_match_the_step() {
     assert!(err.contains("one token per scheduled request (1)"), "{err}");
     core.update(&[1]).unwrap();
 }
+
+#[test]
+fn sliding_window_frees_blocks_outside_the_window() {
+    // 10 usable blocks of 4 tokens = 40 tokens, but each request grows to 8 + 60 = 68 tokens:
+    // only freeing blocks behind the 8-token window lets both finish without preemption.
+    let mut cfg = config(4, 11, 2, 16, 128);
+    cfg.cache.sliding_window = Some(8);
+    let mut core = EngineCore::new(cfg, None).unwrap();
+    let prompts: Vec<_> = (0..2).map(|i| prompt(i, 8)).collect();
+    for (i, p) in prompts.iter().enumerate() {
+        core.add_request(request(&format!("r{i}"), p.clone(), 60)).unwrap();
+    }
+    let mut runner = EchoRunner::default();
+    let mut outs = Vec::new();
+    while core.has_unfinished_requests() {
+        outs.extend(core.step(&mut runner).unwrap());
+        core.scheduler().kv_cache().check_invariants().unwrap();
+        for &idx in core.scheduler().running() {
+            let live = core.scheduler().kv_cache().block_ids(idx).iter().filter(|&&b| b != 0).count();
+            assert!(live <= 4, "a request holds only the window's blocks and the one being filled");
+        }
+    }
+    assert_eq!(core.scheduler().stats().num_preemptions, 0);
+    for (i, p) in prompts.iter().enumerate() {
+        let o = outs.iter().find(|o| o.request_id == format!("r{i}")).unwrap();
+        assert_eq!(o.token_ids, reference_tokens(p, 60));
+    }
+    assert_eq!(core.scheduler().kv_cache().num_free_blocks(), 10);
+}

@@ -43,9 +43,11 @@ struct Harness {
 }
 
 impl Harness {
-    fn new() -> Self {
+    fn new(sliding_window: Option<usize>) -> Self {
+        let mut cfg = config(4, NUM_BLOCKS, MAX_SEQS, BUDGET, MAX_MODEL_LEN);
+        cfg.cache.sliding_window = sliding_window;
         Self {
-            core: EngineCore::new(config(4, NUM_BLOCKS, MAX_SEQS, BUDGET, MAX_MODEL_LEN), None).unwrap(),
+            core: EngineCore::new(cfg, None).unwrap(),
             runner: EchoRunner::default(),
             prompts: HashMap::new(),
             added: Vec::new(),
@@ -112,8 +114,11 @@ proptest! {
     #![proptest_config(ProptestConfig { cases: 200, failure_persistence: None, ..ProptestConfig::default() })]
 
     #[test]
-    fn random_workloads_keep_every_invariant(ops in prop::collection::vec(op(), 1..120)) {
-        let mut h = Harness::new();
+    fn random_workloads_keep_every_invariant(
+        ops in prop::collection::vec(op(), 1..120),
+        sliding_window in prop_oneof![Just(None), (1usize..12).prop_map(Some)],
+    ) {
+        let mut h = Harness::new(sliding_window);
         for op in &ops {
             h.apply(op)?;
         }

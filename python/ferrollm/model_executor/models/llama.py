@@ -1,13 +1,20 @@
-"""Llama (and the checkpoints that share its layout) on the paged-attention interface.
+"""Llama, and the pieces the decoder-only checkpoints built like it reuse.
 
 Parameter names follow HF's after fusing q/k/v into ``qkv_proj`` and gate/up into ``gate_up_proj``,
-so ``load_weights`` takes HF checkpoint names. Subclasses (Qwen2) change biases and sliding windows
-through the ``_qkv_bias``/``_sliding_window`` hooks.
+so ``load_weights`` takes HF checkpoint names.
+
+A model that differs from Llama only in per-layer details (biases, attention scale, sliding
+windows, soft-capping, q/k norms, activation, norm flavour, residual scaling) subclasses
+:class:`LlamaForCausalLM` and overrides :meth:`LlamaForCausalLM.layer_options`; one with another
+block layout also sets ``decoder_layer_cls``. The hooks ``embedding_scale`` and ``compute_logits``
+cover scaled embeddings and post-processed logits.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -15,62 +22,101 @@ from transformers import PretrainedConfig
 
 from ferrollm.attention.backend import AttentionMetadata
 from ferrollm.attention.layer import Attention
-from ferrollm.exceptions import UnsupportedModelError
-from ferrollm.model_executor.layers.activation import SiluAndMul
+from ferrollm.model_executor.layers.activation import get_act_and_mul
 from ferrollm.model_executor.layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
 )
 from ferrollm.model_executor.layers.norm import RMSNorm
-from ferrollm.model_executor.layers.rotary import get_rope, rope_parameters
+from ferrollm.model_executor.layers.rotary import RotaryEmbedding, get_rope, rope_parameters
 from ferrollm.model_executor.layers.vocab import ParallelLMHead, VocabParallelEmbedding
 from ferrollm.model_executor.models.utils import load_weights_into
 
-__all__ = ["LlamaForCausalLM"]
+__all__ = ["LayerOptions", "LlamaAttention", "LlamaDecoderLayer", "LlamaForCausalLM", "LlamaMLP",
+           "LlamaModel", "head_dim_of"]
 
 
-def _head_dim(config: PretrainedConfig) -> int:
+def head_dim_of(config: PretrainedConfig) -> int:
+    """``config.head_dim`` when set, else ``hidden_size // num_attention_heads``."""
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
+@dataclass(frozen=True)
+class LayerOptions:
+    """How one decoder layer is built.
+
+    Attributes:
+        rope: RoPE settings, from :func:`rope_parameters` (layers with equal settings share one
+            cos/sin table).
+        qkv_bias: biases on q, k and v.
+        o_bias: bias on the output projection.
+        mlp_bias: biases on the MLP projections.
+        hidden_act: the gated MLP's activation, by its HF name.
+        norm: the norm class of the layer (and of q/k when ``qk_norm``).
+        scale: attention score multiplier; ``None`` means ``head_dim ** -0.5``.
+        sliding_window: attend to the last ``sliding_window`` positions only.
+        logits_soft_cap: soft-cap attention scores with ``cap * tanh(score / cap)``.
+        qk_norm: normalise every q and k head over ``head_dim`` before the rotary embedding.
+        residual_multiplier: scales the attention and MLP outputs before they join the residual.
+    """
+
+    rope: dict[str, Any]
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    hidden_act: str = "silu"
+    norm: type[RMSNorm] = RMSNorm
+    scale: float | None = None
+    sliding_window: int | None = None
+    logits_soft_cap: float | None = None
+    qk_norm: bool = False
+    residual_multiplier: float = 1.0
+
+
 class LlamaMLP(nn.Module):
-    """``down(silu(gate(x)) * up(x))`` with gate and up fused."""
+    """``down(act(gate(x)) * up(x))`` with gate and up fused."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str, bias: bool,
                  dtype: torch.dtype):
         super().__init__()
-        if hidden_act != "silu":
-            raise UnsupportedModelError(f"hidden_act {hidden_act!r} is not supported; only 'silu'")
         self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias, dtype)
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias, params_dtype=dtype)
-        self.act_fn = SiluAndMul()
+        self.act_fn = get_act_and_mul(hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
 class LlamaAttention(nn.Module):
-    """Self-attention: fused qkv projection, rotary embedding, paged attention, output projection."""
+    """Self-attention: fused qkv projection, optional per-head q/k norms, rotary embedding, paged
+    attention, output projection."""
 
-    def __init__(self, config: PretrainedConfig, dtype: torch.dtype, qkv_bias: bool, o_bias: bool,
-                 sliding_window: int | None):
+    def __init__(self, config: PretrainedConfig, dtype: torch.dtype, opts: LayerOptions,
+                 rotary_emb: RotaryEmbedding):
         super().__init__()
-        head_dim = _head_dim(config)
-        self.qkv_proj = QKVParallelLinear(config.hidden_size, head_dim, config.num_attention_heads,
-                                          config.num_key_value_heads, qkv_bias, dtype)
-        self.o_proj = RowParallelLinear(config.num_attention_heads * head_dim, config.hidden_size,
-                                        o_bias, params_dtype=dtype)
-        self.rotary_emb = get_rope(head_dim, config.max_position_embeddings,
-                                   rope_parameters(config), dtype=dtype)
+        self.head_dim = head_dim_of(config)
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, config.num_attention_heads,
+                                          config.num_key_value_heads, opts.qkv_bias, dtype)
+        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size,
+                                        opts.o_bias, params_dtype=dtype)
+        self.rotary_emb = rotary_emb
+        if opts.qk_norm:
+            self.q_norm = opts.norm(self.head_dim, config.rms_norm_eps, dtype)
+            self.k_norm = opts.norm(self.head_dim, config.rms_norm_eps, dtype)
+        self.qk_norm = opts.qk_norm
         self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
-        self.attn = Attention(self.qkv_proj.num_heads, head_dim, head_dim**-0.5,
-                              self.qkv_proj.num_kv_heads, sliding_window)
+        scale = self.head_dim**-0.5 if opts.scale is None else opts.scale
+        self.attn = Attention(self.qkv_proj.num_heads, self.head_dim, scale, self.qkv_proj.num_kv_heads,
+                              opts.sliding_window, opts.logits_soft_cap)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, kv_cache: torch.Tensor,
                 attn_metadata: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(hidden_states)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.qk_norm:
+            q = self.q_norm(q.unflatten(-1, (-1, self.head_dim))).flatten(-2)
+            k = self.k_norm(k.unflatten(-1, (-1, self.head_dim))).flatten(-2)
         q, k = self.rotary_emb(positions, q, k)
         return self.o_proj(self.attn(q, k, v, kv_cache, attn_metadata))
 
@@ -78,15 +124,15 @@ class LlamaAttention(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm block; the residual stream is passed along separately so the norms fuse the add."""
 
-    def __init__(self, config: PretrainedConfig, dtype: torch.dtype, qkv_bias: bool,
-                 sliding_window: int | None):
+    def __init__(self, config: PretrainedConfig, dtype: torch.dtype, opts: LayerOptions,
+                 rotary_emb: RotaryEmbedding):
         super().__init__()
-        o_bias = getattr(config, "attention_bias", False)
-        self.self_attn = LlamaAttention(config, dtype, qkv_bias, o_bias, sliding_window)
-        self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, config.hidden_act,
-                            getattr(config, "mlp_bias", False), dtype)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.self_attn = LlamaAttention(config, dtype, opts, rotary_emb)
+        self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, opts.hidden_act,
+                            opts.mlp_bias, dtype)
+        self.input_layernorm = opts.norm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.post_attention_layernorm = opts.norm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.residual_multiplier = opts.residual_multiplier
 
     def forward(self, positions, hidden_states, residual, kv_cache, attn_metadata):
         if residual is None:
@@ -94,22 +140,29 @@ class LlamaDecoderLayer(nn.Module):
             hidden_states = self.input_layernorm(hidden_states)
         else:
             hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(positions, hidden_states, kv_cache, attn_metadata)
+        hidden_states = self._scaled(self.self_attn(positions, hidden_states, kv_cache, attn_metadata))
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
-        return self.mlp(hidden_states), residual
+        return self._scaled(self.mlp(hidden_states)), residual
+
+    def _scaled(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.residual_multiplier == 1.0 else x * self.residual_multiplier
 
 
 class LlamaModel(nn.Module):
-    """Embedding, decoder layers and the final norm."""
+    """Embedding (optionally scaled), decoder layers and the final norm."""
 
-    def __init__(self, config: PretrainedConfig, dtype: torch.dtype, layers: list[LlamaDecoderLayer]):
+    def __init__(self, config: PretrainedConfig, dtype: torch.dtype, layers: list[nn.Module],
+                 norm: nn.Module, embed_scale: float | None = None):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype)
+        self.embed_scale = embed_scale
         self.layers = nn.ModuleList(layers)
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.norm = norm
 
     def forward(self, input_ids, positions, kv_caches, attn_metadata):
         hidden_states, residual = self.embed_tokens(input_ids), None
+        if self.embed_scale is not None:
+            hidden_states = hidden_states * self.embed_scale
         for layer, kv_cache in zip(self.layers, kv_caches):
             hidden_states, residual = layer(positions, hidden_states, residual, kv_cache, attn_metadata)
         hidden_states, _ = self.norm(hidden_states, residual)
@@ -131,34 +184,60 @@ class LlamaForCausalLM(nn.Module):
         (".gate_up_proj", ".gate_proj", 0),
         (".gate_up_proj", ".up_proj", 1),
     ]
+    decoder_layer_cls: type[nn.Module] = LlamaDecoderLayer
+    norm_cls: type[RMSNorm] = RMSNorm
 
     def __init__(self, config: PretrainedConfig, dtype: torch.dtype = torch.float32):
         super().__init__()
         self.config = config
         self.dtype = dtype
         self.num_layers = config.num_hidden_layers
-        self.head_dim = _head_dim(config)
-        layers = [LlamaDecoderLayer(config, dtype, self._qkv_bias(config), self._sliding_window(config, i))
-                  for i in range(self.num_layers)]
-        self.model = LlamaModel(config, dtype, layers)
+        self.head_dim = head_dim_of(config)
+        options = [self.layer_options(config, i) for i in range(self.num_layers)]
+        self.sliding_windows = [opts.sliding_window for opts in options]
+        ropes: dict[str, RotaryEmbedding] = {}
+        layers = [self.decoder_layer_cls(config, dtype, opts, self._rope(opts.rope, ropes))
+                  for opts in options]
+        norm = self.norm_cls(config.hidden_size, config.rms_norm_eps, dtype)
+        self.model = LlamaModel(config, dtype, layers, norm, self.embedding_scale(config, dtype))
         # Per rank: the KV cache is allocated for the heads this rank holds.
-        self.num_kv_heads = layers[0].self_attn.qkv_proj.num_kv_heads if layers else 0
+        self.num_kv_heads = cast(LlamaAttention, layers[0].self_attn).qkv_proj.num_kv_heads if layers else 0
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, params_dtype=dtype)
         if self.tie_word_embeddings:
             self.lm_head.tie_weights(self.model.embed_tokens)
 
-    @staticmethod
-    def _qkv_bias(config: PretrainedConfig) -> bool:
-        return bool(getattr(config, "attention_bias", False))
+    @classmethod
+    def layer_options(cls, config: PretrainedConfig, layer_idx: int) -> LayerOptions:
+        """How layer ``layer_idx`` is built; subclasses adjust this with ``dataclasses.replace``."""
+        attention_bias = bool(getattr(config, "attention_bias", False))
+        return LayerOptions(rope=rope_parameters(config), qkv_bias=attention_bias, o_bias=attention_bias,
+                            mlp_bias=bool(getattr(config, "mlp_bias", False)),
+                            hidden_act=getattr(config, "hidden_act", "silu"), norm=cls.norm_cls)
 
-    @staticmethod
-    def _sliding_window(config: PretrainedConfig, layer_idx: int) -> int | None:
+    @classmethod
+    def embedding_scale(cls, config: PretrainedConfig, dtype: torch.dtype) -> float | None:
+        """Multiplier of the token embeddings, or ``None`` for none."""
         return None
+
+    def _rope(self, params: dict[str, Any], ropes: dict[str, RotaryEmbedding]) -> RotaryEmbedding:
+        # One cos/sin table per distinct setting, shared by the layers: a 128k-position table of a
+        # 256-wide head is 128 MiB in float32.
+        key = repr(sorted(params.items()))
+        if key not in ropes:
+            ropes[key] = get_rope(self.head_dim, self.config.max_position_embeddings, params,
+                                  dtype=self.dtype)
+        return ropes[key]
 
     def kv_cache_spec(self) -> tuple[int, int, int]:
         """``(num_layers, num_kv_heads on this rank, head_dim)`` for sizing the KV cache."""
         return self.num_layers, self.num_kv_heads, self.head_dim
+
+    def sliding_window_spec(self) -> int | None:
+        """The window when every layer slides with the same one (the engine may then free KV
+        blocks that fell out of it); ``None`` when some layer attends to its whole context."""
+        windows = set(self.sliding_windows)
+        return windows.pop() if len(windows) == 1 else None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], attn_metadata: AttentionMetadata) -> torch.Tensor:

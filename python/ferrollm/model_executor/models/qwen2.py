@@ -2,11 +2,22 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from transformers import PretrainedConfig
 
-from ferrollm.model_executor.models.llama import LlamaForCausalLM
+from ferrollm.model_executor.models.llama import LayerOptions, LlamaForCausalLM
+from ferrollm.model_executor.models.utils import layer_sliding_window
 
 __all__ = ["Qwen2ForCausalLM"]
+
+
+def qwen_sliding_window(config: PretrainedConfig, layer_idx: int) -> int | None:
+    """Qwen2/Qwen3's window of one layer: configs list each layer's type; older ones only say
+    that layers from ``max_window_layers`` on slide when ``use_sliding_window``."""
+    slides = (bool(getattr(config, "use_sliding_window", False))
+              and layer_idx >= getattr(config, "max_window_layers", 0))
+    return layer_sliding_window(config, layer_idx, slides)
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
@@ -17,17 +28,7 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
         dtype: parameter and activation dtype.
     """
 
-    @staticmethod
-    def _qkv_bias(config: PretrainedConfig) -> bool:
-        return True
-
-    @staticmethod
-    def _sliding_window(config: PretrainedConfig, layer_idx: int) -> int | None:
-        # Recent configs list each layer's type; older ones only say which layers use windows.
-        layer_types = getattr(config, "layer_types", None)
-        if layer_types is not None:
-            is_sliding = layer_types[layer_idx] == "sliding_attention"
-        else:
-            is_sliding = (getattr(config, "use_sliding_window", False)
-                          and layer_idx >= getattr(config, "max_window_layers", 0))
-        return config.sliding_window if is_sliding else None
+    @classmethod
+    def layer_options(cls, config: PretrainedConfig, layer_idx: int) -> LayerOptions:
+        return replace(super().layer_options(config, layer_idx), qkv_bias=True, o_bias=False,
+                       sliding_window=qwen_sliding_window(config, layer_idx))

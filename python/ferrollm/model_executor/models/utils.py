@@ -7,10 +7,10 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from ferrollm.exceptions import CheckpointError
+from ferrollm.exceptions import CheckpointError, UnsupportedModelError
 from ferrollm.model_executor.weight_utils import default_weight_loader
 
-__all__ = ["load_weights_into"]
+__all__ = ["layer_sliding_window", "load_weights_into"]
 
 # (fused parameter, checkpoint projection, shard id): checkpoints keep q/k/v and gate/up apart,
 # the models fuse each group into one matmul.
@@ -77,3 +77,28 @@ def _fused_name(name: str, stacked_params: StackedParams) -> tuple[str, str | in
         if part in name:
             return name.replace(part, fused), shard_id
     return name, None
+
+
+_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def layer_sliding_window(config, layer_idx: int, slides_without_layer_types: bool) -> int | None:
+    """``config.sliding_window`` if layer ``layer_idx`` slides, else ``None``.
+
+    Recent configs list every layer's type in ``layer_types``; for older ones the model's own
+    rule decides, passed as ``slides_without_layer_types``.
+
+    Raises:
+        UnsupportedModelError: for a layer type other than full or sliding attention.
+    """
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is None:
+        slides = slides_without_layer_types
+    else:
+        if layer_types[layer_idx] not in _LAYER_TYPES:
+            raise UnsupportedModelError(
+                f"layer_types[{layer_idx}] = {layer_types[layer_idx]!r} is not supported; "
+                f"supported: {list(_LAYER_TYPES)}"
+            )
+        slides = layer_types[layer_idx] == "sliding_attention"
+    return config.sliding_window if slides else None

@@ -51,6 +51,10 @@ pub struct KVCacheManager {
     req_blocks: Vec<Vec<BlockId>>,
     /// Leading blocks of each table already offered to the cache.
     num_registered: Vec<usize>,
+    /// Every layer's attention window, when all layers slide.
+    sliding_window: Option<usize>,
+    /// Leading blocks of each table already freed as outside the window (now the null block).
+    num_skipped: Vec<usize>,
     stats: PrefixCacheStats,
 }
 
@@ -64,6 +68,8 @@ impl KVCacheManager {
             pool: BlockPool::new(cfg.num_blocks, cfg.enable_prefix_caching),
             req_blocks: Vec::new(),
             num_registered: Vec::new(),
+            sliding_window: cfg.sliding_window,
+            num_skipped: Vec::new(),
             stats: PrefixCacheStats::default(),
         }
     }
@@ -131,6 +137,7 @@ impl KVCacheManager {
         new_computed_blocks: &[BlockId],
         num_new_computed_tokens: usize,
     ) -> Option<Vec<BlockId>> {
+        self.remove_skipped_blocks(idx, req.num_computed_tokens);
         let total = req.num_computed_tokens + num_new_computed_tokens + num_new_tokens;
         let num_held = self.req_blocks.get(idx).map_or(0, Vec::len) + new_computed_blocks.len();
         let num_new_blocks = total.div_ceil(self.block_size).saturating_sub(num_held);
@@ -145,6 +152,7 @@ impl KVCacheManager {
         if idx >= self.req_blocks.len() {
             self.req_blocks.resize_with(idx + 1, Vec::new);
             self.num_registered.resize(idx + 1, 0);
+            self.num_skipped.resize(idx + 1, 0);
         }
         let mut appended = Vec::with_capacity(new_computed_blocks.len() + new_blocks.len());
         appended.extend_from_slice(new_computed_blocks);
@@ -179,7 +187,27 @@ impl KVCacheManager {
         if let Some(table) = self.req_blocks.get_mut(idx) {
             self.pool.free_blocks(table.drain(..).rev());
             self.num_registered[idx] = 0;
+            self.num_skipped[idx] = 0;
         }
+    }
+
+    /// With a sliding window on every layer, frees the request's blocks whose tokens all lie
+    /// before `num_computed_tokens - window`: no query at or after `num_computed_tokens` can
+    /// attend to them. Their table slots become the null block, so every position keeps its
+    /// block index. Amortized O(1) per block over a request's life.
+    pub fn remove_skipped_blocks(&mut self, idx: ReqIdx, num_computed_tokens: usize) {
+        let Some(window) = self.sliding_window else { return };
+        let Some(table) = self.req_blocks.get_mut(idx) else { return };
+        let start = self.num_skipped[idx];
+        let end = (num_computed_tokens.saturating_sub(window) / self.block_size).min(table.len());
+        if end <= start {
+            return;
+        }
+        // Oldest last, so the pool evicts the oldest of them last.
+        let freed: Vec<BlockId> = table[start..end].iter().rev().copied().collect();
+        table[start..end].fill(NULL_BLOCK);
+        self.pool.free_blocks(freed.into_iter());
+        self.num_skipped[idx] = end;
     }
 
     /// The request's block table; empty for a slot that holds nothing.
@@ -201,8 +229,12 @@ impl KVCacheManager {
         // Slot index + 1 of the last table seen holding each block, to find duplicates in O(1).
         let mut last_seen = vec![0usize; num_blocks];
         for (idx, table) in self.req_blocks.iter().enumerate() {
-            for &b in table {
+            for (pos, &b) in table.iter().enumerate() {
                 let i = b as usize;
+                // Only the slots freed as outside the sliding window may hold the null block.
+                if b == NULL_BLOCK && pos < self.num_skipped[idx] {
+                    continue;
+                }
                 if b == NULL_BLOCK || i >= num_blocks {
                     return Err(format!("request {idx} holds invalid block {b}"));
                 }
@@ -235,7 +267,8 @@ mod tests {
     const BS: usize = 4;
 
     fn manager(num_blocks: usize, caching: bool) -> KVCacheManager {
-        let cfg = CacheConfig { block_size: BS, num_blocks, enable_prefix_caching: caching };
+        let cfg =
+            CacheConfig { block_size: BS, num_blocks, enable_prefix_caching: caching, sliding_window: None };
         KVCacheManager::new(&cfg)
     }
 

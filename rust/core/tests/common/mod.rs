@@ -43,7 +43,7 @@ pub fn config(
     max_model_len: usize,
 ) -> EngineConfig {
     EngineConfig {
-        cache: CacheConfig { block_size, num_blocks, enable_prefix_caching: true },
+        cache: CacheConfig { block_size, num_blocks, enable_prefix_caching: true, sliding_window: None },
         scheduler: SchedulerConfig {
             max_num_seqs,
             max_num_batched_tokens: budget,
