@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers
-from helpers.checkpoints import MINILM_INSTALL, minilm_folder
+from helpers.checkpoints import MINILM_INSTALL, _checkpoint, minilm_folder
 
 from ferrollm import LLM, PoolingParams, SamplingParams
 from ferrollm import exceptions as exc
@@ -90,6 +90,15 @@ def test_decoder_embeddings_are_the_normalized_last_token_state(tiny_llama, opti
         outs = llm.embed([{"prompt_token_ids": p} for p in PROMPTS], use_tqdm=False)
     for p, o in zip(PROMPTS, outs):
         assert o.prompt_token_ids == p
+        assert torch.allclose(torch.tensor(o.outputs.embedding), hf_last_token(hf_model, p), atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["mistral_sliding", "gemma2", "qwen3"])
+def test_sliding_window_and_other_decoders_embed_long_prompts(kind, tmp_path, tokenizer_dir):
+    path, hf_model = _checkpoint(kind, tmp_path / kind, tokenizer_dir)
+    with LLM(model=str(path), convert="embed") as llm:
+        outs = llm.embed([{"prompt_token_ids": p} for p in PROMPTS], use_tqdm=False)
+    for p, o in zip(PROMPTS, outs):  # prompts up to 37 tokens, windows of 6-7
         assert torch.allclose(torch.tensor(o.outputs.embedding), hf_last_token(hf_model, p), atol=1e-4)
 
 
