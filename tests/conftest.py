@@ -10,7 +10,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 import ferrollm
-from helpers.checkpoints import tiny_llama, tiny_qwen2  # noqa: F401  (fixtures)
+from helpers.checkpoints import tiny_bert, tiny_llama, tiny_qwen2  # noqa: F401  (fixtures)
 
 CORPUS = [
     "Hello world, the quick brown fox jumps over the lazy dog.",

@@ -16,21 +16,41 @@ from ferrollm._core import (
     Tokenizer,
     __version__,
 )
-from ferrollm.outputs import CompletionOutput, Logprob, RequestOutput
+from ferrollm.config.pooler_config import PoolerConfig
+from ferrollm.outputs import (
+    CompletionOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    Logprob,
+    PoolingOutput,
+    PoolingRequestOutput,
+    RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
+from ferrollm.pooling_params import PoolingParams
 from ferrollm.sampling_params import RequestOutputKind, SamplingParams
 
 __all__ = [
     "LLM",
     "CompletionOutput",
+    "EmbeddingOutput",
+    "EmbeddingRequestOutput",
     "EngineCore",
     "EngineCoreOutput",
     "Logprob",
     "NewRequestData",
+    "PoolerConfig",
+    "PoolingOutput",
+    "PoolingParams",
+    "PoolingRequestOutput",
     "RequestOutput",
     "RequestOutputKind",
     "SamplingOptions",
     "SamplingParams",
     "SchedulerOutput",
+    "ScoringOutput",
+    "ScoringRequestOutput",
     "Tokenizer",
     "exceptions",
     "__version__",

@@ -1,13 +1,29 @@
-"""What `LLM.generate` returns: vLLM's `RequestOutput`, `CompletionOutput` and `Logprob`, with
-the same field names, so scripts written against vLLM read them unchanged."""
+"""What `LLM` returns, with vLLM's class and field names so scripts written against vLLM read them
+unchanged: `RequestOutput`, `CompletionOutput` and `Logprob` from `generate`; `PoolingRequestOutput`
+(`encode`), `EmbeddingRequestOutput` (`embed`) and `ScoringRequestOutput` (`score`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from collections.abc import Sequence
-from typing import Any, Dict, List, Optional
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Dict, Generic, List, Optional, TypeVar
 
-__all__ = ["CompletionOutput", "Logprob", "PromptLogprobs", "RequestOutput", "SampleLogprobs"]
+if TYPE_CHECKING:  # torch stays out of `import ferrollm`
+    import torch
+
+__all__ = [
+    "CompletionOutput",
+    "EmbeddingOutput",
+    "EmbeddingRequestOutput",
+    "Logprob",
+    "PoolingOutput",
+    "PoolingRequestOutput",
+    "PromptLogprobs",
+    "RequestOutput",
+    "SampleLogprobs",
+    "ScoringOutput",
+    "ScoringRequestOutput",
+]
 
 
 @dataclass
@@ -152,3 +168,126 @@ def _extend(done: CompletionOutput, new: CompletionOutput) -> None:
     done.cumulative_logprob = new.cumulative_logprob
     done.finish_reason = new.finish_reason
     done.stop_reason = new.stop_reason
+
+
+@dataclass
+class PoolingOutput:
+    """The pooled result of one request.
+
+    Args:
+        data: float32 CPU tensor: ``[hidden]`` for ``embed``, ``[num_tokens, hidden]`` for
+            ``token_embed``, a scalar for a score.
+    """
+
+    data: torch.Tensor
+
+    def __repr__(self) -> str:
+        return f"PoolingOutput(data={self.data!r})"
+
+    def __eq__(self, other: object) -> bool:
+        import torch
+
+        return isinstance(other, PoolingOutput) and bool(torch.equal(self.data, other.data))
+
+
+_O = TypeVar("_O")
+
+
+class PoolingRequestOutput(Generic[_O]):
+    """Everything returned for one pooling request.
+
+    Args:
+        request_id: The request's id.
+        outputs: The pooled result (`PoolingOutput`, or `EmbeddingOutput`/`ScoringOutput` in
+            the subclasses).
+        prompt_token_ids: The prompt's token ids, after any truncation.
+        num_cached_tokens: Prompt tokens served from the prefix cache (always 0 here).
+        finished: Whether the request has finished (always True offline).
+    """
+
+    def __init__(self, request_id: str, outputs: _O, prompt_token_ids: list[int],
+                 num_cached_tokens: int = 0, finished: bool = True) -> None:
+        self.request_id = request_id
+        self.outputs = outputs
+        self.prompt_token_ids = prompt_token_ids
+        self.num_cached_tokens = num_cached_tokens
+        self.finished = finished
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(request_id={self.request_id!r}, outputs={self.outputs!r}, "
+                f"prompt_token_ids={self.prompt_token_ids}, num_cached_tokens={self.num_cached_tokens}, "
+                f"finished={self.finished})")
+
+
+@dataclass
+class EmbeddingOutput:
+    """One request's embedding.
+
+    Args:
+        embedding: The embedding vector.
+    """
+
+    embedding: list[float]
+
+    @staticmethod
+    def from_base(output: PoolingOutput) -> EmbeddingOutput:
+        """The embedding of a 1-D `PoolingOutput`.
+
+        Raises:
+            ValueError: if the pooled data is not one vector.
+        """
+        if output.data.ndim != 1:
+            raise ValueError(f"an embedding must be a 1-D vector; the pooled data has shape {tuple(output.data.shape)}")
+        return EmbeddingOutput(output.data.tolist())
+
+    @property
+    def hidden_size(self) -> int:
+        """The embedding's length."""
+        return len(self.embedding)
+
+    def __repr__(self) -> str:
+        return f"EmbeddingOutput(hidden_size={self.hidden_size})"
+
+
+class EmbeddingRequestOutput(PoolingRequestOutput[EmbeddingOutput]):
+    """What `LLM.embed` returns for one prompt (`outputs.embedding` is a list of floats)."""
+
+    @staticmethod
+    def from_base(output: PoolingRequestOutput) -> EmbeddingRequestOutput:
+        return EmbeddingRequestOutput(output.request_id, EmbeddingOutput.from_base(output.outputs),
+                                      output.prompt_token_ids, output.num_cached_tokens, output.finished)
+
+
+@dataclass
+class ScoringOutput:
+    """One pair's score.
+
+    Args:
+        score: The similarity score.
+    """
+
+    score: float
+
+    @staticmethod
+    def from_base(output: PoolingOutput) -> ScoringOutput:
+        """The score of a scalar (or one-element) `PoolingOutput`.
+
+        Raises:
+            ValueError: if the pooled data is not a single number.
+        """
+        data = output.data.squeeze()
+        if data.ndim != 0:
+            raise ValueError(f"a score must be a scalar; the pooled data has shape {tuple(output.data.shape)}")
+        return ScoringOutput(float(data.item()))
+
+    def __repr__(self) -> str:
+        return f"ScoringOutput(score={self.score})"
+
+
+class ScoringRequestOutput(PoolingRequestOutput[ScoringOutput]):
+    """What `LLM.score` returns for one pair (`outputs.score` is a float)."""
+
+    @staticmethod
+    def from_base(output: PoolingRequestOutput) -> ScoringRequestOutput:
+        return ScoringRequestOutput(output.request_id, ScoringOutput.from_base(output.outputs),
+                                    output.prompt_token_ids, output.num_cached_tokens, output.finished)

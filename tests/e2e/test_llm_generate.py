@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import shutil
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -241,3 +245,34 @@ def test_invalid_engine_options_name_the_option(tiny_llama, kwargs, param):
     path, _ = tiny_llama
     with pytest.raises(exc.ConfigError, match=f"`{param}`"):
         LLM(model=str(path), **kwargs)
+
+
+def with_generation_config(src: Path, dst: Path, **fields) -> Path:
+    shutil.copytree(src, dst)
+    config = json.loads((dst / "generation_config.json").read_text())
+    config.update(fields)
+    (dst / "generation_config.json").write_text(json.dumps(config))
+    return dst
+
+
+def test_generation_config_supplies_the_defaults(tiny_llama, tmp_path):
+    folder = with_generation_config(tiny_llama[0], tmp_path / "gen", temperature=0.0, top_k=20, top_p=0.8,
+                                    repetition_penalty=1.3, max_new_tokens=5, do_sample=True)
+    prompts = [{"prompt_token_ids": [5, 9, 14, 22]}]
+    with LLM(model=str(folder)) as llm:
+        defaults = llm.get_default_sampling_params()
+        assert (defaults.temperature, defaults.max_tokens, defaults.repetition_penalty) == (0.0, 5, 1.3)
+        auto = llm.generate(prompts, use_tqdm=False)[0].outputs[0]
+        explicit = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=5, repetition_penalty=1.3),
+                                use_tqdm=False)[0].outputs[0]
+        # Parameters the user passes are used as given: no field comes from the file.
+        plain = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+                             use_tqdm=False)[0].outputs[0]
+    assert auto.token_ids == explicit.token_ids and len(auto.token_ids) <= 5
+    assert len(plain.token_ids) == 12
+    with LLM(model=str(folder), generation_config="vllm") as llm:
+        assert llm.get_default_sampling_params() == SamplingParams()
+    with LLM(model=str(tiny_llama[0]), generation_config=str(folder),
+             override_generation_config={"max_new_tokens": 3}) as llm:
+        assert llm.get_default_sampling_params().max_tokens == 3
+        assert len(llm.generate(prompts, use_tqdm=False)[0].outputs[0].token_ids) <= 3

@@ -5,12 +5,15 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
+from helpers.checkpoints import MINILM_INSTALL, minilm_folder
+
 README = Path(__file__).resolve().parents[2] / "README.md"
 
 
-def readme_example() -> str:
+def readme_example(marker: str = "LLM(model=") -> str:
     blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
-    return next(b for b in blocks if "LLM(model=" in b)
+    return next(b for b in blocks if marker in b)
 
 
 def test_readme_example_runs(tiny_llama, capsys):
@@ -19,6 +22,14 @@ def test_readme_example_runs(tiny_llama, capsys):
     exec(compile(code, str(README), "exec"), {})
     printed = capsys.readouterr().out
     assert printed.count("Prompt: ") == 2 and "Generated text: " in printed
+
+
+@pytest.mark.skipif(minilm_folder() is None, reason=MINILM_INSTALL)
+def test_readme_embedding_example_runs(capsys):
+    code = readme_example("llm.embed(").replace('"path/to/embedding-model"', repr(str(minilm_folder())))
+    exec(compile(code, str(README), "exec"), {})
+    length, score = capsys.readouterr().out.split()
+    assert int(length) == 384 and 0.5 < float(score) <= 1.0
 
 
 def test_hub_id_resolves_from_the_local_cache(tiny_llama, tmp_path, monkeypatch):

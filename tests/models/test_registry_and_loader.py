@@ -87,3 +87,13 @@ def test_get_model_exposes_kv_cache_spec_and_eval_mode(llama_dir):
     model = get_model(config_of(llama_dir), torch.float32, iterate_safetensors(llama_dir))
     assert not model.training
     assert model.kv_cache_spec() == (2, 2, TINY["hidden_size"] // TINY["num_attention_heads"])
+
+
+def test_readme_lists_exactly_the_registered_architectures():
+    from pathlib import Path
+
+    from ferrollm.model_executor.registry import architectures_markdown
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    block = readme.split("<!-- architectures:start -->\n")[1].split("<!-- architectures:end -->")[0]
+    assert block == architectures_markdown(), "run: python -m ferrollm.model_executor.registry README.md"

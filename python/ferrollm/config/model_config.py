@@ -1,5 +1,5 @@
 """`ModelConfig`: the HF config of the model to run, with `hf_overrides` applied, its
-architecture resolved, and the dtype and `max_model_len` decided."""
+architecture resolved, whether it generates or pools, and the dtype and `max_model_len` decided."""
 
 from __future__ import annotations
 
@@ -11,6 +11,14 @@ from typing import Any
 import torch
 
 from ferrollm.config.model_source import ModelSource
+from ferrollm.config.pooler_config import (
+    PoolerConfig,
+    PoolingModelConfig,
+    read_st_encoder_config,
+    read_st_pooling,
+    resolve_pooler,
+    resolve_runner,
+)
 from ferrollm.exceptions import ConfigError
 
 HfOverrides = Mapping[str, Any] | Callable[[Any], Any] | None
@@ -83,7 +91,14 @@ class ModelConfig:
         hf_config: the transformers config, overrides applied.
         architecture: the architecture chosen from `hf_config.architectures`.
         dtype: the dtype weights and activations run in.
-        max_model_len: the longest sequence (prompt + output) a request may reach.
+        max_model_len: the longest sequence (prompt + output) a request may reach; for a
+            pooling model, the longest prompt.
+        runner_type: ``"generate"`` or ``"pooling"``.
+        convert_type: ``"embed"`` when a generative architecture runs as an embedder, else
+            ``"none"``.
+        pooler: the resolved pooler of a pooling model, else None.
+        do_lower_case: lower-case text prompts before tokenizing (sentence-transformers'
+            ``do_lower_case``).
     """
 
     source: ModelSource
@@ -91,6 +106,14 @@ class ModelConfig:
     architecture: str
     dtype: torch.dtype
     max_model_len: int
+    runner_type: str = "generate"
+    convert_type: str = "none"
+    pooler: PoolingModelConfig | None = None
+    do_lower_case: bool = False
+
+    @property
+    def is_pooling(self) -> bool:
+        return self.runner_type == "pooling"
 
 
 def build_model_config(
@@ -101,19 +124,41 @@ def build_model_config(
     dtype: str | torch.dtype,
     max_model_len: int | None,
     device: torch.device,
+    runner: str = "auto",
+    convert: str = "auto",
+    pooler_config: Any = None,
 ) -> ModelConfig:
-    """Applies overrides, resolves the architecture and checks `max_model_len` against the model.
+    """Applies overrides, resolves the architecture and the runner, and checks `max_model_len`
+    against the model.
 
     Raises:
         ConfigError: an unknown architecture (naming it, the supported list and `hf_overrides`),
-            an unknown dtype, or a `max_model_len` above what the model supports.
+            an unknown dtype, runner or convert option, or a `max_model_len` above what the
+            model supports.
     """
     from ferrollm.model_executor.registry import ModelRegistry
 
     hf_config = apply_hf_overrides(hf_config, hf_overrides)
     architectures = list(getattr(hf_config, "architectures", None) or [])
     architecture = ModelRegistry.resolve_name(architectures)
+    st_pooling = read_st_pooling(source.folder) if source.gguf_file is None else (None, None)
+    runner_type, convert_type = resolve_runner(
+        runner, convert, architecture, ModelRegistry.is_pooling_only(architectures),
+        has_st_pooling=st_pooling != (None, None),
+    )
+    pooler, encoder_config = None, {}
+    if runner_type == "pooling":
+        model_cls = ModelRegistry.resolve(architectures)
+        default_type = getattr(model_cls, "default_pooling_type", "LAST")
+        pooler = resolve_pooler(PoolerConfig.coerce(pooler_config), st_pooling, default_type, hf_config,
+                                source.gguf_file.name if source.gguf_file else source.folder.name)
+        encoder_config = read_st_encoder_config(source.folder)
+    elif pooler_config is not None:
+        raise ConfigError("`pooler_config` applies to pooling models only; pass runner='pooling' as well")
     derived = derive_max_model_len(hf_config)
+    if isinstance(encoder_config.get("max_seq_length"), int):
+        # sentence-transformers truncates at its own max_seq_length; vLLM caps the length there.
+        derived = min(derived, encoder_config["max_seq_length"])
     if max_model_len is None:
         max_model_len = derived
     elif max_model_len < 2:
@@ -121,7 +166,8 @@ def build_model_config(
     elif max_model_len > derived:
         raise ConfigError(
             f"`max_model_len` must be <= {derived}, the model's maximum (max_position_embeddings "
-            f"in its config). Given: {max_model_len}"
+            f"in its config, or max_seq_length in sentence_bert_config.json). Given: {max_model_len}"
         )
     resolved = resolve_dtype(dtype, getattr(hf_config, "dtype", None), device)
-    return ModelConfig(source, hf_config, architecture, resolved, max_model_len)
+    return ModelConfig(source, hf_config, architecture, resolved, max_model_len, runner_type, convert_type,
+                       pooler, bool(encoder_config.get("do_lower_case", False)))

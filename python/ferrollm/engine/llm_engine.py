@@ -1,6 +1,11 @@
 """`LLMEngine`: builds the model, the KV cache, the tokenizers and the Rust core from the user's
 options, and runs steps. The step loop is the one in DESIGN.md: schedule in Rust, execute in
-torch, update in Rust."""
+torch, update in Rust.
+
+A pooling model (``runner="pooling"``) goes through the same loop: its core is built without
+chunked prefill and prefix caching, each request asks for one token, and the runner pools the
+prompt's hidden states instead of sampling (see ``worker/pooling_runner.py``).
+"""
 
 from __future__ import annotations
 
@@ -11,15 +16,18 @@ from typing import Any
 import numpy as np
 import torch
 
-from ferrollm._core import EngineCore, EngineCoreOutput
+from ferrollm._core import EngineCore, EngineCoreOutput, SamplingOptions
 from ferrollm.attention.backend import allocate_kv_cache
+from ferrollm.config.generation_config import default_sampling_fields
 from ferrollm.config.model_config import ModelConfig, build_model_config
 from ferrollm.config.model_source import resolve_model_source
 from ferrollm.engine.kv_memory import bytes_per_block, cpu_kv_cache_bytes, num_kv_blocks
 from ferrollm.engine.tokenizer_loader import Tokenizers, load_tokenizers
-from ferrollm.exceptions import ConfigError
+from ferrollm.exceptions import ConfigError, EngineError
+from ferrollm.pooling_params import PoolingParams
 from ferrollm.sampling_params import SamplingParams
 from ferrollm.worker.model_runner import ModelRunner
+from ferrollm.worker.pooling_runner import PoolingModelRunner
 
 
 @dataclass
@@ -41,6 +49,11 @@ class EngineArgs:
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False
     tensor_parallel_size: int = 1
+    runner: str = "auto"
+    convert: str = "auto"
+    pooler_config: Any = None
+    generation_config: str = "auto"
+    override_generation_config: dict[str, Any] | None = None
 
     def validate(self) -> None:
         if self.tensor_parallel_size != 1:
@@ -65,12 +78,17 @@ class LLMEngine:
     """The loaded engine. Build it with `LLMEngine.from_args`."""
 
     def __init__(self, args: EngineArgs, model_config: ModelConfig, tokenizers: Tokenizers,
-                 core: EngineCore, runner: ModelRunner):
+                 core: EngineCore, runner: ModelRunner | PoolingModelRunner):
         self.args = args
         self.model_config = model_config
         self.tokenizers = tokenizers
         self.core = core
         self.runner = runner
+        # The model's recommended SamplingParams fields (generation_config.json), for
+        # `LLM.get_default_sampling_params`.
+        self.default_sampling_fields = default_sampling_fields(
+            args.generation_config, model_config.source.folder, args.override_generation_config,
+            has_file=not model_config.source.is_gguf)
 
     @classmethod
     def from_args(cls, args: EngineArgs) -> LLMEngine:
@@ -82,14 +100,30 @@ class LLMEngine:
         hf_config, weights = _read_checkpoint(source)
         model_config = build_model_config(
             source, hf_config, hf_overrides=args.hf_overrides, dtype=args.dtype,
-            max_model_len=args.max_model_len, device=device,
+            max_model_len=args.max_model_len, device=device, runner=args.runner, convert=args.convert,
+            pooler_config=args.pooler_config,
         )
         tokenizers = load_tokenizers(source, args.tokenizer, args.revision)
         from ferrollm.model_executor.loader import get_model
 
         model = get_model(model_config.hf_config, model_config.dtype, weights(), device=device)
-        core, runner = _build_core(args, model_config, model, tokenizers, device)
+        build = _build_pooling_core if model_config.is_pooling else _build_core
+        core, runner = build(args, model_config, model, tokenizers, device)
         return cls(args, model_config, tokenizers, core, runner)
+
+    @property
+    def generation_runner(self) -> ModelRunner:
+        """The runner of a generative model."""
+        if not isinstance(self.runner, ModelRunner):
+            raise EngineError("this engine runs a pooling model, which has no sampling runner")
+        return self.runner
+
+    @property
+    def pooling_runner(self) -> PoolingModelRunner:
+        """The runner of a pooling model."""
+        if not isinstance(self.runner, PoolingModelRunner):
+            raise EngineError("this engine runs a generative model, which has no pooling runner")
+        return self.runner
 
     @property
     def vocab_size(self) -> int:
@@ -104,7 +138,16 @@ class LLMEngine:
         self.core.add_requests(request_ids, list(prompts), [p.to_core() for p in params],
                                priorities=priorities, add_special_tokens=add_special_tokens)
         for rid, p in zip(request_ids, params):
-            self.runner.add_request_params(rid, p)
+            self.generation_runner.add_request_params(rid, p)
+
+    def add_pooling_requests(self, request_ids: list[str], prompts: list[list[int]],
+                             params: list[PoolingParams]) -> None:
+        """Queues tokenized pooling requests atomically; each ends after its prompt's step."""
+        # detokenize=False: the placeholder token is never shown; ignore_eos: it ends on length.
+        one_step = SamplingOptions(max_tokens=1, detokenize=False, ignore_eos=True, temperature=0.0)
+        self.core.add_requests(request_ids, list(prompts), [one_step] * len(prompts), add_special_tokens=False)
+        for rid, p in zip(request_ids, params):
+            self.pooling_runner.add_request_params(rid, p)
 
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests()
@@ -169,6 +212,33 @@ def _build_core(args: EngineArgs, mc: ModelConfig, model, tokenizers: Tokenizers
     runner = ModelRunner(model, kv_caches, args.block_size, device,
                          vocab_size=int(mc.hf_config.vocab_size), eos_token_ids=tokenizers.core.eos_token_ids)
     return core, runner
+
+
+def _build_pooling_core(args: EngineArgs, mc: ModelConfig, model, tokenizers: Tokenizers,
+                        device: torch.device):
+    """A core whose steps hold whole prompts, and a KV cache (decoders only) for one step.
+    Prefix caching is off whatever `enable_prefix_caching` says, as in vLLM for encoders.
+
+    Every request finishes in the step that schedules it, so blocks never outlive a step: the
+    pool holds one step's worth (each request's prompt rounded up to blocks). The core's
+    `max_model_len` leaves room for the one placeholder token past a `max_model_len` prompt.
+    """
+    if args.max_num_batched_tokens is not None and args.max_num_batched_tokens < mc.max_model_len:
+        raise ConfigError(
+            f"`max_num_batched_tokens` must be >= max_model_len ({mc.max_model_len}) for a pooling model, "
+            f"whose prompts are never split across steps. Given: {args.max_num_batched_tokens}")
+    core_len = mc.max_model_len + 1
+    batched = max(args.max_num_batched_tokens or 8192, core_len, args.max_num_seqs)
+    num_blocks = 1 + -(-batched // args.block_size) + args.max_num_seqs
+    core = EngineCore(
+        tokenizer=tokenizers.core, block_size=args.block_size, num_blocks=num_blocks,
+        enable_prefix_caching=False, enable_chunked_prefill=False, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=batched, max_model_len=core_len,
+    )
+    spec = model.kv_cache_spec()
+    kv_caches = [] if spec is None else allocate_kv_cache(spec[0], num_blocks, args.block_size, spec[1], spec[2], mc.dtype, device)
+    assert mc.pooler is not None
+    return core, PoolingModelRunner(model, kv_caches, args.block_size, device, mc.pooler.pooling_type)
 
 
 def _gpu_kv_budget(args: EngineArgs, device: torch.device) -> int:

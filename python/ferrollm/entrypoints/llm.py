@@ -3,6 +3,8 @@
     from ferrollm import LLM, SamplingParams
     llm = LLM(model="path/to/checkpoint")
     outputs = llm.generate(["Hello, my name is"], SamplingParams(temperature=0.8, top_p=0.95))
+
+Embedding models (``runner="pooling"``) use `encode`, `embed` and `score` (entrypoints/pooling.py).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Any
 
 from ferrollm.engine.llm_engine import EngineArgs, LLMEngine
 from ferrollm.entrypoints.output_builder import LogprobDecoder, PendingRequest, completion, prompt_logprobs
+from ferrollm.entrypoints.pooling import PoolingMixin
 from ferrollm.entrypoints.prompts import normalize_prompts
 from ferrollm.exceptions import InvalidRequestError
 from ferrollm.outputs import RequestOutput
@@ -22,7 +25,7 @@ from ferrollm.sampling_params import SamplingParams
 ChatMessages = list[dict[str, Any]]
 
 
-class LLM:
+class LLM(PoolingMixin):
     """An LLM for offline inference, with vLLM's arguments and defaults.
 
     Args:
@@ -41,6 +44,17 @@ class LLM:
         gpu_memory_utilization: fraction of GPU memory the engine may take (GPU only).
         enforce_eager: never capture CUDA graphs (GPU only).
         tensor_parallel_size: must be 1 for now.
+        runner: "auto", "generate" or "pooling". "auto" pools for encoder-only models (BERT),
+            for convert="embed" and for checkpoints with a sentence-transformers pooling config,
+            and generates otherwise.
+        convert: "auto", "none" or "embed": "embed" runs a generative checkpoint as an
+            embedding model (last-token pooling, normalized, unless its config says otherwise).
+        pooler_config: a `PoolerConfig` or dict (``pooling_type``, ``normalize``) overriding
+            the pooling model's defaults.
+        generation_config: "auto" takes default sampling parameters from the model's
+            generation_config.json when `generate` gets none; "vllm" ignores the file; a folder
+            path reads the file there.
+        override_generation_config: fields merged over the generation config.
     """
 
     def __init__(
@@ -62,6 +76,11 @@ class LLM:
         gpu_memory_utilization: float = 0.9,
         enforce_eager: bool = False,
         tensor_parallel_size: int = 1,
+        runner: str = "auto",
+        convert: str = "auto",
+        pooler_config: Any = None,
+        generation_config: str = "auto",
+        override_generation_config: dict[str, Any] | None = None,
     ) -> None:
         args = EngineArgs(
             model=str(model), tokenizer=tokenizer, revision=revision, dtype=dtype, seed=seed,
@@ -70,6 +89,8 @@ class LLM:
             enable_prefix_caching=True if enable_prefix_caching is None else enable_prefix_caching,
             hf_overrides=hf_overrides, device=device, gpu_memory_utilization=gpu_memory_utilization,
             enforce_eager=enforce_eager, tensor_parallel_size=tensor_parallel_size,
+            runner=runner, convert=convert, pooler_config=pooler_config,
+            generation_config=generation_config, override_generation_config=override_generation_config,
         )
         self.llm_engine: LLMEngine | None = LLMEngine.from_args(args)
         self._request_counter = itertools.count()
@@ -97,6 +118,16 @@ class LLM:
     def get_tokenizer(self) -> Any:
         """The model's transformers tokenizer."""
         return self._engine().tokenizers.hf
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The parameters `generate` uses when given none: the model's generation_config.json
+        fields (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens as
+        max_tokens) over vLLM's defaults, unless the LLM was built with generation_config="vllm".
+
+        Returns:
+            A new `SamplingParams`.
+        """
+        return SamplingParams(**self._engine().default_sampling_fields)
 
     # -- generation --------------------------------------------------------------------------
 
@@ -161,7 +192,11 @@ class LLM:
 
     def _generate(self, prompts, sampling_params, use_tqdm, priority, add_special_tokens) -> list[RequestOutput]:
         engine = self._engine()
+        if engine.model_config.is_pooling:
+            raise InvalidRequestError(_not_generative(engine))
         items = normalize_prompts(prompts, engine.vocab_size)
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
         params = _expand_params(sampling_params, len(items))
         if priority is not None and len(priority) != len(items):
             raise InvalidRequestError(f"`priority` must have one entry per prompt ({len(items)}). Given: {len(priority)} entries")
@@ -184,7 +219,7 @@ class LLM:
         while engine.has_unfinished_requests():
             for out in engine.step():
                 k, parent = _parent_of(out.request_id, by_id)
-                state = engine.runner.release(out.request_id)
+                state = engine.generation_runner.release(out.request_id)
                 parent.completions[k] = completion(k, out, state, self._decoder)
                 if parent.prompt_token_ids is None:
                     parent.prompt_token_ids = list(out.prompt_token_ids)
@@ -201,9 +236,17 @@ class LLM:
         return [p.to_output() for p in pending]
 
 
+def _not_generative(engine: LLMEngine) -> str:
+    mc = engine.model_config
+    if mc.convert_type == "embed":
+        how = "Build the LLM without runner='pooling'/convert='embed' to generate text."
+    else:
+        how = f"{mc.architecture} is an encoder-only model and cannot generate text."
+    return (f"LLM.generate() needs a generative model, but this LLM runs {mc.architecture} as a pooling "
+            f"model (runner='pooling'); use LLM.embed(), LLM.encode() or LLM.score(). {how}")
+
+
 def _expand_params(sampling_params, n: int) -> list[SamplingParams]:
-    if sampling_params is None:
-        return [SamplingParams()] * n
     if isinstance(sampling_params, SamplingParams):
         return [sampling_params] * n
     params = list(sampling_params)

@@ -32,11 +32,17 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Qwen3ForCausalLM": ("qwen3", "Qwen3ForCausalLM"),
 }
 
+# Encoder-only architectures: they run only as pooling (embedding) models.
+_POOLING_MODELS: dict[str, tuple[str, str]] = {
+    "BertModel": ("bert", "BertModel"),
+    "BertForMaskedLM": ("bert", "BertModel"),
+}
+
 
 class ModelRegistry:
     """The architectures ferrollm can run, resolved lazily to their classes."""
 
-    _models: dict[str, tuple[str, str] | type[nn.Module]] = dict(_MODELS)
+    _models: dict[str, tuple[str, str] | type[nn.Module]] = {**_MODELS, **_POOLING_MODELS}
 
     @classmethod
     def get_supported_archs(cls) -> list[str]:
@@ -65,6 +71,11 @@ class ModelRegistry:
                 return arch
         cls.resolve(architectures)  # raises the error naming them
         raise AssertionError("unreachable")
+
+    @classmethod
+    def is_pooling_only(cls, architectures: list[str]) -> bool:
+        """Whether the resolved class is an encoder that can only pool (``is_pooling_model``)."""
+        return bool(getattr(cls.resolve(architectures), "is_pooling_model", False))
 
     @classmethod
     def resolve(cls, architectures: list[str]) -> type[nn.Module]:
@@ -97,3 +108,30 @@ def _import(entry: tuple[str, str]) -> type[nn.Module]:
     if "." not in module:
         module = f"ferrollm.model_executor.models.{module}"
     return getattr(importlib.import_module(module), name)
+
+
+def architectures_markdown() -> str:
+    """The README's list of supported architectures, generated from the registry."""
+    generative = ", ".join(f"`{a}`" for a in sorted(_MODELS))
+    pooling = ", ".join(f"`{a}`" for a in sorted(_POOLING_MODELS))
+    return f"- Generative: {generative}.\n- Pooling only: {pooling}.\n"
+
+
+def update_readme(path: str) -> bool:
+    """Rewrites the block between the README's architecture markers; returns whether it changed."""
+    with open(path) as f:
+        text = f.read()
+    start, end = "<!-- architectures:start -->\n", "<!-- architectures:end -->"
+    head, _, rest = text.partition(start)
+    _, _, tail = rest.partition(end)
+    new = head + start + architectures_markdown() + end + tail
+    if new != text:
+        with open(path, "w") as f:
+            f.write(new)
+    return new != text
+
+
+if __name__ == "__main__":
+    import sys
+
+    print("README.md updated" if update_readme(sys.argv[1] if len(sys.argv) > 1 else "README.md") else "up to date")
