@@ -12,6 +12,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from ferrollm.config.compilation import CompilationConfig
 from ferrollm.engine.llm_engine import EngineArgs, LLMEngine
 from ferrollm.entrypoints.output_builder import LogprobDecoder, PendingRequest, completion, prompt_logprobs
 from ferrollm.entrypoints.prompts import normalize_prompts
@@ -40,6 +41,8 @@ class LLM:
         device: "auto", "cpu" or "cuda".
         gpu_memory_utilization: fraction of GPU memory the engine may take (GPU only).
         enforce_eager: never capture CUDA graphs (GPU only).
+        compilation_config: a `CompilationConfig`, a dict of its fields or an int level, as vLLM
+            takes it; decides the CUDA-graph capture sizes (no torch.compile runs).
         tensor_parallel_size: must be 1 for now.
     """
 
@@ -62,6 +65,7 @@ class LLM:
         gpu_memory_utilization: float = 0.9,
         enforce_eager: bool = False,
         tensor_parallel_size: int = 1,
+        compilation_config: CompilationConfig | dict[str, Any] | int | None = None,
     ) -> None:
         args = EngineArgs(
             model=str(model), tokenizer=tokenizer, revision=revision, dtype=dtype, seed=seed,
@@ -70,6 +74,7 @@ class LLM:
             enable_prefix_caching=True if enable_prefix_caching is None else enable_prefix_caching,
             hf_overrides=hf_overrides, device=device, gpu_memory_utilization=gpu_memory_utilization,
             enforce_eager=enforce_eager, tensor_parallel_size=tensor_parallel_size,
+            compilation_config=compilation_config,
         )
         self.llm_engine: LLMEngine | None = LLMEngine.from_args(args)
         self._request_counter = itertools.count()
