@@ -97,7 +97,7 @@ def _decode_kernel(
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SOFT_CAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + row)
     offs_g = tl.arange(0, BLOCK_G)
@@ -152,7 +152,9 @@ def _prefill_kernel(
     heads = kv_head * num_queries_per_kv + offs_m % num_queries_per_kv
     m_valid = (offs_m < BLOCK_Q * num_queries_per_kv) & (tok < q_len)
     q_mask = m_valid[:, None] & d_mask[None, :]
-    q_offs = (q_start + tok)[:, None] * stride_q_tok + heads[:, None] * stride_q_head + offs_d[None, :]
+    # int64: token index x row stride outgrows int32 on long batches of wide fused projections.
+    tok_index = (q_start + tok).to(tl.int64)
+    q_offs = tok_index[:, None] * stride_q_tok + heads[:, None] * stride_q_head + offs_d[None, :]
     q = tl.load(q_ptr + q_offs, mask=q_mask, other=0.0).to(cache_ptr.dtype.element_ty)
     q_pos = num_cached + tok
     # Keys past the tile's last query are causally hidden from all its rows.
@@ -171,7 +173,7 @@ def _prefill_kernel(
         BLOCK_N, HAS_WINDOW, HAS_SOFT_CAP, DOT_PRECISION,
     )
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    o_offs = (q_start + tok)[:, None] * stride_o_tok + heads[:, None] * stride_o_head + offs_d[None, :]
+    o_offs = tok_index[:, None] * stride_o_tok + heads[:, None] * stride_o_head + offs_d[None, :]
     tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=q_mask)
 
 
