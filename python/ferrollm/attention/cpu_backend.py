@@ -15,7 +15,9 @@ import torch
 
 from ferrollm.attention.backend import AttentionMetadata
 
-__all__ = ["write_kv", "paged_attention"]
+__all__ = ["NAME", "write_kv", "paged_attention"]
+
+NAME = "TORCH"
 
 
 def write_kv(

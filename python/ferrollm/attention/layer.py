@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ferrollm.attention import cpu_backend
 from ferrollm.attention.backend import AttentionMetadata
+from ferrollm.attention.selector import get_attn_backend
 
 __all__ = ["Attention"]
 
@@ -15,8 +15,8 @@ __all__ = ["Attention"]
 class Attention(nn.Module):
     """Paged, causal, grouped-query attention over the step's requests.
 
-    Only the torch backend exists so far; a GPU backend will plug in here, chosen by the device
-    of the KV cache, without changing model code.
+    The backend follows the KV cache's device (:func:`~ferrollm.attention.selector.get_attn_backend`):
+    Triton kernels for CUDA tensors, torch for CPU tensors, with no change to model code.
 
     Args:
         num_heads: query heads on this rank.
@@ -54,8 +54,9 @@ class Attention(nn.Module):
         num_tokens = query.shape[0]
         key = key.view(num_tokens, self.num_kv_heads, self.head_size)
         value = value.view(num_tokens, self.num_kv_heads, self.head_size)
-        cpu_backend.write_kv(key, value, kv_cache, attn_metadata.slot_mapping)
-        out = cpu_backend.paged_attention(
+        backend = get_attn_backend(kv_cache.device)
+        backend.write_kv(key, value, kv_cache, attn_metadata.slot_mapping)
+        out = backend.paged_attention(
             query.view(num_tokens, self.num_heads, self.head_size), kv_cache, attn_metadata,
             self.scale, self.sliding_window, self.logits_soft_cap,
         )

@@ -19,6 +19,7 @@ import torch
 from ferrollm._core import EngineCore, EngineCoreOutput, SamplingOptions
 from ferrollm.attention.backend import allocate_kv_cache
 from ferrollm.config.generation_config import default_sampling_fields
+from ferrollm.config.compilation import CompilationConfig
 from ferrollm.config.model_config import ModelConfig, build_model_config
 from ferrollm.config.model_source import resolve_model_source
 from ferrollm.engine.kv_memory import bytes_per_block, cpu_kv_cache_bytes, num_kv_blocks
@@ -54,8 +55,10 @@ class EngineArgs:
     pooler_config: Any = None
     generation_config: str = "auto"
     override_generation_config: dict[str, Any] | None = None
+    compilation_config: CompilationConfig | dict[str, Any] | int | None = None
 
     def validate(self) -> None:
+        self.compilation_config = CompilationConfig.from_value(self.compilation_config)
         if self.tensor_parallel_size != 1:
             raise ConfigError(f"`tensor_parallel_size` must be 1 in this build (multi-process TP is not available yet). Given: {self.tensor_parallel_size}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -203,6 +206,10 @@ def _build_core(args: EngineArgs, mc: ModelConfig, model, tokenizers: Tokenizers
     window = model.sliding_window_spec() if hasattr(model, "sliding_window_spec") else None
     seq_tokens = mc.max_model_len if window is None else min(mc.max_model_len, window + batched + 2 * args.block_size)
     num_blocks = num_kv_blocks(budget, block_bytes, args.block_size, seq_tokens, args.max_num_seqs)
+    # Decides (and checks) the decode sizes a CUDA graph runner would capture. Capture itself is
+    # not switched on until the graph runner has been validated on a GPU (tests/kernels/test_cuda_graph.py).
+    CompilationConfig.from_value(args.compilation_config).init_capture_sizes(
+        args.max_num_seqs, batched, enforce_eager=args.enforce_eager or device.type != "cuda")
     core = EngineCore(
         tokenizer=tokenizers.core, block_size=args.block_size, num_blocks=num_blocks,
         enable_prefix_caching=args.enable_prefix_caching, max_num_seqs=args.max_num_seqs,

@@ -14,6 +14,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from ferrollm.config.compilation import CompilationConfig
 from ferrollm.engine.llm_engine import EngineArgs, LLMEngine
 from ferrollm.entrypoints.output_builder import LogprobDecoder, PendingRequest, completion, prompt_logprobs
 from ferrollm.entrypoints.pooling import PoolingMixin
@@ -43,6 +44,8 @@ class LLM(PoolingMixin):
         device: "auto", "cpu" or "cuda".
         gpu_memory_utilization: fraction of GPU memory the engine may take (GPU only).
         enforce_eager: never capture CUDA graphs (GPU only).
+        compilation_config: a `CompilationConfig`, a dict of its fields or an int level, as vLLM
+            takes it; decides the CUDA-graph capture sizes (no torch.compile runs).
         tensor_parallel_size: must be 1 for now.
         runner: "auto", "generate" or "pooling". "auto" pools for encoder-only models (BERT),
             for convert="embed" and for checkpoints with a sentence-transformers pooling config,
@@ -81,6 +84,7 @@ class LLM(PoolingMixin):
         pooler_config: Any = None,
         generation_config: str = "auto",
         override_generation_config: dict[str, Any] | None = None,
+        compilation_config: CompilationConfig | dict[str, Any] | int | None = None,
     ) -> None:
         args = EngineArgs(
             model=str(model), tokenizer=tokenizer, revision=revision, dtype=dtype, seed=seed,
@@ -91,6 +95,7 @@ class LLM(PoolingMixin):
             enforce_eager=enforce_eager, tensor_parallel_size=tensor_parallel_size,
             runner=runner, convert=convert, pooler_config=pooler_config,
             generation_config=generation_config, override_generation_config=override_generation_config,
+            compilation_config=compilation_config,
         )
         self.llm_engine: LLMEngine | None = LLMEngine.from_args(args)
         self._request_counter = itertools.count()

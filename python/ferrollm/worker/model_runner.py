@@ -17,6 +17,7 @@ from ferrollm.attention.backend import AttentionMetadata
 from ferrollm.model_executor.sampler import Sampler, compute_prompt_logprobs
 from ferrollm.model_executor.sampling_metadata import SamplingMetadata
 from ferrollm.sampling_params import SamplingParams
+from ferrollm.worker.cuda_graph import CudaGraphRunner
 from ferrollm.worker.request_state import CachedRequestState
 
 
@@ -29,6 +30,7 @@ class ModelRunner:
         kv_caches: one KV tensor per layer.
         block_size: tokens per KV block.
         device: where the model runs.
+        cuda_graphs: replays captured decode steps (CUDA only); None runs every step eagerly.
     """
 
     def __init__(
@@ -39,6 +41,7 @@ class ModelRunner:
         device: torch.device,
         vocab_size: int,
         eos_token_ids: list[int],
+        cuda_graphs: CudaGraphRunner | None = None,
     ):
         self.model = model
         self.vocab_size = vocab_size
@@ -46,6 +49,7 @@ class ModelRunner:
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
+        self.cuda_graphs = cuda_graphs
         self.sampler = Sampler()
         self.requests: dict[int, CachedRequestState] = {}
         self._index_of: dict[str, int] = {}
@@ -84,7 +88,9 @@ class ModelRunner:
         meta = AttentionMetadata.from_step(step, self.block_size, self.device)
         input_ids = torch.from_numpy(step.input_ids).to(self.device)
         positions = torch.from_numpy(step.positions).to(self.device)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        hidden = self.cuda_graphs.execute(input_ids, positions, meta) if self.cuda_graphs else None
+        if hidden is None:
+            hidden = self.model(input_ids, positions, self.kv_caches, meta)
         states = [self.requests[i] for i in step.req_indices.tolist()]
         self._record_prompt_logprobs(step, states, hidden)
         # Only rows whose step completes their known tokens sample: a prefill chunk must not

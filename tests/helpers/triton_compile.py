@@ -1,0 +1,115 @@
+"""Compiles every Triton kernel for a GPU target on a machine without one.
+
+Triton's interpreter runs kernels as numpy code and so lets through what the GPU compiler
+refuses (``tl.dot`` shape rules, mixed dtypes, unsupported ops). This module calls each kernel
+wrapper on CPU tensors with ``JITFunction.run`` replaced by a recorder, then compiles each
+recorded launch down to a cubin with ``triton.compile``; ptxas ships with Triton, so no driver
+or device is needed.
+
+Run as ``python -m helpers.triton_compile [sm ...]`` from ``tests/``, without ``TRITON_INTERPRET``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.runtime.jit import JITFunction
+
+_POINTER_TYPES = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16",
+                  torch.int32: "*i32", torch.int64: "*i64"}
+
+
+def record_launches(calls) -> list[tuple[JITFunction, tuple, dict]]:
+    """Runs ``calls`` (wrappers on CPU tensors) and returns the launches they asked for."""
+    launches = []
+
+    def record(self, *args, grid, warmup, **kwargs):
+        launches.append((self, args, kwargs))
+
+    original = JITFunction.run
+    JITFunction.run = record
+    try:
+        for call in calls:
+            call()
+    finally:
+        JITFunction.run = original
+    return launches
+
+
+def compile_launch(fn: JITFunction, args: tuple, kwargs: dict, sm: int):
+    """Compiles one recorded launch for ``sm_<sm>``; returns the compiled kernel."""
+    values = dict(zip(fn.arg_names, args)) | kwargs
+    signature, constexprs = {}, {}
+    for param in fn.params:
+        value = values[param.name]
+        if param.is_constexpr:
+            signature[param.name] = "constexpr"
+            constexprs[param.name] = value
+        elif isinstance(value, torch.Tensor):
+            signature[param.name] = _POINTER_TYPES[value.dtype]
+        elif isinstance(value, bool):
+            signature[param.name] = "i1"
+        elif isinstance(value, int):
+            signature[param.name] = "i32" if -(2**31) <= value < 2**31 else "i64"
+        elif isinstance(value, float):
+            signature[param.name] = "fp32"
+        else:
+            raise TypeError(f"{fn.__name__}: cannot type argument {param.name}={value!r}")
+    source = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+    return triton.compile(source, target=GPUTarget("cuda", sm, 32))
+
+
+def kernel_calls():
+    """One call per kernel configuration the engine uses, on CPU tensors of real model shapes."""
+    from ferrollm import kernels as k
+
+    def t(*shape, dtype=torch.bfloat16):
+        return torch.zeros(*shape, dtype=dtype)
+
+    tables, seq_lens = torch.zeros(4, 8, dtype=torch.int32), torch.ones(4, dtype=torch.int32)
+    qsl = torch.arange(5, dtype=torch.int32)
+    calls = [lambda: k.reshape_and_cache(t(4, 8, 128), t(4, 8, 128), t(2, 64, 16, 8, 128), torch.zeros(4, dtype=torch.int64))]
+    for dtype, heads, dim, window, cap in [(torch.bfloat16, 32, 128, None, None), (torch.bfloat16, 16, 256, 4096, 50.0),
+                                           (torch.float32, 14, 64, None, None), (torch.float16, 8, 80, 128, None)]:
+        cache = t(2, 64, 16, 8 if heads % 8 == 0 else 2, dim, dtype=dtype)
+        q = t(4, heads, dim, dtype=dtype)
+        calls.append(lambda q=q, c=cache, w=window, s=cap: k.paged_attention_decode(q, c, tables, seq_lens, 0.1, w, s))
+        calls.append(lambda q=q, c=cache, w=window, s=cap: k.paged_attention_prefill(q, c, tables, seq_lens, qsl, 1, 0.1, w, s))
+    calls += [
+        lambda: k.rms_norm(t(4, 4096), t(4096), 1e-6),
+        lambda: k.fused_add_rms_norm(t(4, 4096), t(4, 4096), t(4096), 1e-6),
+        lambda: k.rms_norm(t(4, 896, dtype=torch.float32), t(896, dtype=torch.float32), 1e-6),
+        lambda: k.rotary_embedding(torch.zeros(4, dtype=torch.int64), t(4, 32 * 128), t(4, 8 * 128), 128, t(4096, 128)),
+        lambda: k.rotary_embedding(torch.zeros(4, dtype=torch.int64), t(4, 14 * 64), t(4, 2 * 64), 64, t(4096, 32), False),
+        lambda: k.silu_and_mul(t(4, 2 * 11008)),
+    ]
+    return calls
+
+
+def main(sms: list[int]) -> int:
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        print("unset TRITON_INTERPRET: the interpreter replaces the compiler", file=sys.stderr)
+        return 2
+    launches = record_launches(kernel_calls())
+    failures = 0
+    for sm in sms:
+        for fn, args, kwargs in launches:
+            start = time.perf_counter()
+            try:
+                compiled = compile_launch(fn, args, kwargs, sm)
+                print(f"sm_{sm} {fn.__name__}: ok, {len(compiled.asm['cubin'])} bytes of cubin, "
+                      f"{time.perf_counter() - start:.1f}s")
+            except Exception as e:  # report every kernel, not just the first failure
+                failures += 1
+                print(f"sm_{sm} {fn.__name__}: FAILED {type(e).__name__}: {e}")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main([int(a) for a in sys.argv[1:]] or [90]))
