@@ -18,8 +18,8 @@ import torch
 
 from ferrollm._core import EngineCore, EngineCoreOutput, SamplingOptions
 from ferrollm.attention.backend import allocate_kv_cache
-from ferrollm.config.generation_config import default_sampling_fields
 from ferrollm.config.compilation import CompilationConfig
+from ferrollm.config.generation_config import default_sampling_fields
 from ferrollm.config.model_config import ModelConfig, build_model_config
 from ferrollm.config.model_source import resolve_model_source
 from ferrollm.engine.kv_memory import bytes_per_block, cpu_kv_cache_bytes, num_kv_blocks
