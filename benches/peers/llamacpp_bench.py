@@ -20,7 +20,6 @@ one code path is measured:
 
 from __future__ import annotations
 
-import ctypes
 import sys
 from collections import deque
 from dataclasses import dataclass
@@ -49,9 +48,10 @@ class LlamaCppEngine:
     def __init__(self, args):
         import llama_cpp as L
 
+        from llama_cpp._logger import set_verbose
+
         self.L = L
-        if not args.verbose:
-            self._silence()
+        set_verbose(args.verbose)  # llama-cpp-python's own log callback, alive until exit
         L.llama_backend_init()
         self.model = L.llama_model_load_from_file(args.model.encode(), L.llama_model_default_params())
         if not self.model:
@@ -75,11 +75,6 @@ class LlamaCppEngine:
         self.n_seq_id = np.ctypeslib.as_array(self.batch.n_seq_id, shape=(args.n_batch,))
         self.logits = np.ctypeslib.as_array(self.batch.logits, shape=(args.n_batch,))
         self.n_seq_id[:] = 1
-
-    def _silence(self) -> None:
-        callback = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p)(lambda *_: None)
-        self._log_callback = callback  # keep it alive
-        self.L.llama_log_set(callback, ctypes.c_void_p(0))
 
     def _fill(self, running: dict[int, _Running]) -> list[tuple[int, _Running]]:
         """Puts one step's tokens in the batch; returns (seq, state) for each row with logits."""

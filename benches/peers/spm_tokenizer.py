@@ -13,14 +13,40 @@ token ids, so how llama.cpp would split text with it never matters.
 from __future__ import annotations
 
 import json
+import struct
 import sys
 from pathlib import Path
 
-from sentencepiece import sentencepiece_model_pb2 as spm_pb2
+# Field numbers and enum values of sentencepiece_model.proto. The model is written by hand (it is
+# one repeated message and two small specs) because sentencepiece's generated protobuf module
+# wants a newer protobuf than the converter's requirements pin.
+MODEL_PIECES, MODEL_TRAINER_SPEC, MODEL_NORMALIZER_SPEC = 1, 2, 3
+PIECE_TEXT, PIECE_SCORE, PIECE_TYPE = 1, 2, 3
+NORMAL, UNKNOWN, CONTROL = 1, 2, 3
+TRAINER_MODEL_TYPE, TRAINER_VOCAB_SIZE, UNIGRAM = 3, 4, 1
+NORMALIZER_NAME, NORMALIZER_ADD_DUMMY_PREFIX = 1, 3
+SPECIAL_TYPES = {"<unk>": UNKNOWN, "<s>": CONTROL, "</s>": CONTROL}  # ids 0, 1, 2: spm's defaults
 
-SPECIAL_TYPES = {"<unk>": spm_pb2.ModelProto.SentencePiece.UNKNOWN,
-                 "<s>": spm_pb2.ModelProto.SentencePiece.CONTROL,
-                 "</s>": spm_pb2.ModelProto.SentencePiece.CONTROL}
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte, n = n & 0x7F, n >> 7
+        out.append(byte | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
+
+
+def _int_field(number: int, value: int) -> bytes:
+    return _varint(number << 3) + _varint(value)
+
+
+def _bytes_field(number: int, value: bytes) -> bytes:
+    return _varint(number << 3 | 2) + _varint(len(value)) + value
+
+
+def _float_field(number: int, value: float) -> bytes:
+    return _varint(number << 3 | 5) + struct.pack("<f", value)
 
 
 def vocabulary(checkpoint: Path) -> list[str]:
@@ -32,25 +58,21 @@ def vocabulary(checkpoint: Path) -> list[str]:
     return pieces
 
 
-def write_model(pieces: list[str], out: Path) -> None:
-    model = spm_pb2.ModelProto()
-    model.trainer_spec.model_type = spm_pb2.TrainerSpec.UNIGRAM
-    model.trainer_spec.vocab_size = len(pieces)
-    model.trainer_spec.unk_id, model.trainer_spec.bos_id = 0, 1
-    model.trainer_spec.eos_id, model.trainer_spec.pad_id = 2, -1
-    model.normalizer_spec.name = "identity"
-    model.normalizer_spec.add_dummy_prefix = False
+def serialize(pieces: list[str]) -> bytes:
+    out = bytearray()
     for i, text in enumerate(pieces):
-        piece = model.pieces.add()
-        piece.piece = text
-        piece.score = -float(i)
-        piece.type = SPECIAL_TYPES.get(text, spm_pb2.ModelProto.SentencePiece.NORMAL)
-    (out / "tokenizer.model").write_bytes(model.SerializeToString())
+        piece = (_bytes_field(PIECE_TEXT, text.encode()) + _float_field(PIECE_SCORE, -float(i))
+                 + _int_field(PIECE_TYPE, SPECIAL_TYPES.get(text, NORMAL)))
+        out += _bytes_field(MODEL_PIECES, piece)
+    trainer = _int_field(TRAINER_MODEL_TYPE, UNIGRAM) + _int_field(TRAINER_VOCAB_SIZE, len(pieces))
+    normalizer = _bytes_field(NORMALIZER_NAME, b"identity") + _int_field(NORMALIZER_ADD_DUMMY_PREFIX, 0)
+    out += _bytes_field(MODEL_TRAINER_SPEC, trainer) + _bytes_field(MODEL_NORMALIZER_SPEC, normalizer)
+    return bytes(out)
 
 
 def main(checkpoint: str, out: str) -> None:
     pieces = vocabulary(Path(checkpoint))
-    write_model(pieces, Path(out))
+    (Path(out) / "tokenizer.model").write_bytes(serialize(pieces))
     print(f"tokenizer.model: {len(pieces)} pieces -> {out}")
 
 
