@@ -76,8 +76,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--num-iters", type=int, default=3, help="timed runs of the latency workload")
     p.add_argument("--hf-batch-size", type=int, default=32)
     p.add_argument("--vllm-enforce-eager", action="store_true")
-    p.add_argument("--ferrollm", default=None, help="ferrollm CLI (default: <repo>/.venv/bin/ferrollm)")
-    p.add_argument("--hf-python", default=None, help="interpreter for HF (default: <repo>/.venv/bin/python)")
+    p.add_argument("--ferrollm", default=str(Path(sys.executable).parent / "ferrollm"),
+                   help="ferrollm CLI (default: the one beside this interpreter)")
+    p.add_argument("--hf-python", default=sys.executable, help="interpreter for HF (default: this one)")
     p.add_argument("--skip-roofline", action="store_true")
     p.add_argument("--smoke", action="store_true", help="tiny workloads: checks the harness, measures nothing")
     p.add_argument("--out", type=Path, default=None, help="JSON of every figure (default under <bench-dir>/results)")
@@ -133,7 +134,7 @@ def _run(cmd: list[str], log: Path, env: dict | None = None) -> str:
 
 
 def run_ferrollm(args, model: Path, workloads: list[str], requests_dir: Path) -> dict:
-    cli = args.ferrollm or str(REPO / ".venv" / "bin" / "ferrollm")
+    cli = args.ferrollm
     log = _log_path(args, "ferrollm")
     env = {"OMP_NUM_THREADS": str(args.threads)}
     out = args.bench_dir / "results" / "ferrollm-tmp.json"
@@ -181,8 +182,7 @@ def run_peer(args, engine: str, model: Path, workloads: list[str], requests_dir:
               "--threads", str(args.threads), "--max-model-len", str(args.max_model_len), "--seed", str(args.seed)]
     env: dict = {}
     if engine == "hf":
-        python = args.hf_python or str(REPO / ".venv" / "bin" / "python")
-        cmd = [python, str(peers / "hf_bench.py"), *common, "--batch-size", str(args.hf_batch_size)]
+        cmd = [args.hf_python, str(peers / "hf_bench.py"), *common, "--batch-size", str(args.hf_batch_size)]
         env["OMP_NUM_THREADS"] = str(args.threads)
     elif engine == "vllm":
         cmd = [str(args.bench_dir / "venv-vllm" / "bin" / "python"), str(peers / "vllm_bench.py"), *common]
