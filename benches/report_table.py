@@ -47,14 +47,15 @@ def _machine_lines(report: dict) -> list[str]:
     bw = roof["bandwidth"]["read_bytes_per_s"] / 1e9
     flops = roof["matmul_flops"]["peak"] / 1e9
     m = roof["model"]
+    quantized = m["weight_bytes_stored"] != m["weight_bytes_fp32"]
+    stored = f", {m['weight_bytes_stored'] / 1e9:.2f} GB as stored" if quantized else ""
+    stored_bound = (f"; {roof['stored']['batch1_tokens_per_s']:.1f} for llama.cpp's stored weights"
+                    if quantized else "")
     return [
         f"machine ({roof['threads']} threads): read bandwidth {bw:.1f} GB/s, fp32 matmul peak {flops:.0f} GFLOP/s",
-        f"model: {m['params'] / 1e6:.0f} M params, {m['weight_bytes_fp32'] / 1e9:.2f} GB fp32"
-        + (f", {m['weight_bytes_stored'] / 1e9:.2f} GB as stored" if m["weight_bytes_stored"] != m["weight_bytes_fp32"] else ""),
-        f"bounds: batch-1 decode {roof['fp32']['batch1_tokens_per_s']:.1f} tok/s (bandwidth / fp32 weight bytes"
-        + (f"; {roof['stored']['batch1_tokens_per_s']:.1f} for llama.cpp's stored weights"
-           if m["weight_bytes_stored"] != m["weight_bytes_fp32"] else "")
-        + f"), batched {roof['fp32']['batched_tokens_per_s']:.0f} tok/s (peak FLOP/s / 2 x params)",
+        f"model: {m['params'] / 1e6:.0f} M params, {m['weight_bytes_fp32'] / 1e9:.2f} GB fp32{stored}",
+        f"bounds: batch-1 decode {roof['fp32']['batch1_tokens_per_s']:.1f} tok/s (bandwidth / fp32 weight "
+        f"bytes{stored_bound}), batched {roof['fp32']['batched_tokens_per_s']:.0f} tok/s (peak FLOP/s / 2 x params)",
     ]
 
 

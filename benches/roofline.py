@@ -40,7 +40,8 @@ def memory_bandwidth(size_bytes: int = 512 << 20, repeats: int = 5) -> dict:
 
 
 def matmul_flops(repeats: int = 3) -> dict:
-    shapes = {"square_2048": (2048, 2048, 2048), "mlp_2048x896x4864": (2048, 896, 4864)}
+    shapes = {"square_2048": (2048, 2048, 2048), "square_4096": (4096, 4096, 4096),
+              "mlp_4096x896x4864": (4096, 896, 4864)}
     out = {}
     for name, (m, k, n) in shapes.items():
         a, b = torch.randn(m, k), torch.randn(k, n)
