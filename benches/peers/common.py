@@ -1,0 +1,112 @@
+"""What every peer runner shares: the command line, the request files side_by_side.py writes, the
+timing of each workload and the one JSON line a runner prints. Standard library only, so it
+imports in any peer's virtual environment.
+
+A runner supplies an engine: ``make()`` builds it (the constructor whose time start-up counts) and
+``generate(requests)`` runs a list of requests to completion, ignoring EOS, and returns how many
+tokens each produced.
+
+Request file (``<requests-dir>/<workload>.json``)::
+
+    {"kind": "throughput" | "latency", "num_iters": 3, "num_iters_warmup": 1,
+     "requests": [{"prompt_token_ids": [...], "output_len": 128}, ...]}
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Protocol
+
+
+@dataclass(frozen=True)
+class Request:
+    prompt_token_ids: list[int]
+    output_len: int
+
+
+class Engine(Protocol):
+    def generate(self, requests: list[Request]) -> list[int]: ...
+
+
+def parser(description: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--model", required=True, help="checkpoint folder (or GGUF file for llama.cpp)")
+    p.add_argument("--requests-dir", type=Path, required=True)
+    p.add_argument("--workloads", default="startup,mixed,fixed,latency",
+                   help="comma-separated; 'startup' is always measured first")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--seed", type=int, default=0)
+    return p
+
+
+def load_workload(requests_dir: Path, name: str) -> dict:
+    data = json.loads((requests_dir / f"{name}.json").read_text())
+    data["requests"] = [Request(r["prompt_token_ids"], r["output_len"]) for r in data["requests"]]
+    return data
+
+
+def _check_counts(name: str, requests: list[Request], produced: list[int]) -> None:
+    asked = [r.output_len for r in requests]
+    if produced != asked:
+        bad = sum(a != b for a, b in zip(asked, produced))
+        raise RuntimeError(f"{name}: {bad} of {len(asked)} requests did not produce the tokens asked for")
+
+
+def run_throughput(engine: Engine, name: str, requests: list[Request]) -> dict:
+    start = time.perf_counter()
+    produced = engine.generate(requests)
+    elapsed = time.perf_counter() - start
+    _check_counts(name, requests, produced)
+    num_in = sum(len(r.prompt_token_ids) for r in requests)
+    num_out = sum(r.output_len for r in requests)  # only what each request asked for
+    return {
+        "elapsed_time": elapsed, "num_requests": len(requests), "num_prompt_tokens": num_in,
+        "num_output_tokens": num_out, "total_num_tokens": num_in + num_out,
+        "requests_per_second": len(requests) / elapsed, "tokens_per_second": (num_in + num_out) / elapsed,
+        "output_tokens_per_second": num_out / elapsed,
+    }
+
+
+def run_latency(engine: Engine, name: str, requests: list[Request], num_iters: int, num_iters_warmup: int) -> dict:
+    def once() -> float:
+        start = time.perf_counter()
+        produced = engine.generate(requests)
+        elapsed = time.perf_counter() - start
+        _check_counts(name, requests, produced)
+        return elapsed
+
+    for _ in range(num_iters_warmup):
+        once()
+    latencies = [once() for _ in range(num_iters)]
+    avg = sum(latencies) / len(latencies)
+    num_out = sum(r.output_len for r in requests)
+    return {"avg_latency": avg, "latencies": latencies, "batch_size": len(requests),
+            "decode_tokens_per_second": num_out / avg}
+
+
+def run(engine_name: str, make: Callable[[], Engine], args: argparse.Namespace, extra: dict | None = None) -> None:
+    """Builds the engine, measures start-up (constructor to the first token of a one-token request),
+    runs the selected workloads on the same engine and prints one JSON line."""
+    names = [w for w in args.workloads.split(",") if w and w != "startup"]
+    start = time.perf_counter()
+    engine = make()
+    constructed = time.perf_counter()
+    produced = engine.generate([Request([100], 1)])
+    first_token = time.perf_counter()
+    _check_counts("startup", [Request([100], 1)], produced)
+    result: dict = {"engine": engine_name, **(extra or {}),
+                    "startup": {"startup_time": first_token - start, "constructor_time": constructed - start}}
+    for name in names:
+        w = load_workload(args.requests_dir, name)
+        print(f"[{engine_name}] {name}: {len(w['requests'])} requests", file=sys.stderr, flush=True)
+        if w["kind"] == "latency":
+            result[name] = run_latency(engine, name, w["requests"], w.get("num_iters", 3), w.get("num_iters_warmup", 1))
+        else:
+            result[name] = run_throughput(engine, name, w["requests"])
+    print(json.dumps(result), flush=True)

@@ -1,0 +1,110 @@
+"""Measures this machine's ceilings for the side-by-side benchmark and the bounds they put on a model.
+
+- memory bandwidth: summing (read) and copying (read + write) a 512 MiB fp32 array;
+- peak fp32 matmul: ``torch.mm`` at large M, on a square problem and on the model's MLP shape.
+
+Batch-1 decode reads every weight once per token, so its bound is ``read bandwidth / weight
+bytes``; batched work is compute-bound at ``peak FLOP/s / (2 x params)`` tokens/s.
+
+    python benches/roofline.py [--threads 2] [--model .bench/qwen2-0.5b]   # prints one JSON line
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+GIB = 1 << 30
+
+
+def _best_time(fn, repeats: int) -> float:
+    fn()  # warm-up: page faults, thread pool
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def memory_bandwidth(size_bytes: int = 512 << 20, repeats: int = 5) -> dict:
+    src = torch.ones(size_bytes // 4, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    read = size_bytes / _best_time(lambda: src.sum(), repeats)
+    copy = 2 * size_bytes / _best_time(lambda: dst.copy_(src), repeats)
+    return {"read_bytes_per_s": read, "copy_bytes_per_s": copy}
+
+
+def matmul_flops(repeats: int = 3) -> dict:
+    shapes = {"square_2048": (2048, 2048, 2048), "square_4096": (4096, 4096, 4096),
+              "mlp_4096x896x4864": (4096, 896, 4864)}
+    out = {}
+    for name, (m, k, n) in shapes.items():
+        a, b = torch.randn(m, k), torch.randn(k, n)
+        out[name] = 2 * m * k * n / _best_time(lambda: torch.mm(a, b), repeats)
+    out["peak"] = max(out.values())
+    return out
+
+
+def model_size(model: Path) -> dict:
+    """Parameter count, fp32 bytes and stored bytes read per decode step (tied embeddings once).
+
+    ``model`` is a safetensors checkpoint folder or a GGUF file (whose stored bytes may be
+    quantized: that is what llama.cpp reads per step, while engines that dequantize read fp32).
+    """
+    params = stored = 0
+    if model.suffix == ".gguf":
+        from gguf import GGUFReader
+
+        for t in GGUFReader(str(model)).tensors:
+            params += int(t.n_elements)
+            stored += int(t.n_bytes)
+    else:
+        from safetensors import safe_open
+
+        for f in sorted(model.glob("*.safetensors")):
+            with safe_open(str(f), "pt") as st:
+                for key in st.keys():
+                    sl = st.get_slice(key)
+                    count = 1
+                    for d in sl.get_shape():
+                        count *= d
+                    params += count
+                    stored += count * _ST_BYTES[sl.get_dtype()]
+    return {"params": params, "weight_bytes_fp32": 4 * params, "weight_bytes_stored": stored}
+
+
+_ST_BYTES = {"F64": 8, "I64": 8, "F32": 4, "I32": 4, "F16": 2, "BF16": 2, "I16": 2, "I8": 1, "U8": 1,
+             "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+
+
+def bounds(machine: dict, params: int, weight_bytes: int) -> dict:
+    return {
+        "batch1_tokens_per_s": machine["bandwidth"]["read_bytes_per_s"] / weight_bytes,
+        "batched_tokens_per_s": machine["matmul_flops"]["peak"] / (2 * params),
+    }
+
+
+def measure(threads: int) -> dict:
+    torch.set_num_threads(threads)
+    return {"threads": threads, "bandwidth": memory_bandwidth(), "matmul_flops": matmul_flops()}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--model", type=Path, default=None, help="safetensors folder or GGUF file to size")
+    args = p.parse_args()
+    result = measure(args.threads)
+    if args.model is not None:
+        size = model_size(args.model)
+        result["model"] = {**size, **bounds(result, size["params"], size["weight_bytes_fp32"])}
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

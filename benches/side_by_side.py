@@ -1,0 +1,249 @@
+"""ferrollm beside vLLM (CPU), HF transformers and llama.cpp: same checkpoint, same requests, one run.
+
+Workloads (token ids drawn once from ``--seed`` with ferrollm's own generator, so every engine
+gets the very same requests, lengths included):
+
+- ``mixed``: 64 prompts, input 32-512 and output 16-256 tokens drawn per request;
+- ``fixed``: 32 prompts x 128 in -> 128 out;
+- ``latency``: batch 1, 32 in -> 128 out, 3 timed runs after 1 warm-up (decode tok/s);
+- ``startup``: engine constructor to the first token of a one-token request.
+
+Throughput counts only the tokens each request asked for. Beside each figure: the machine's
+roofline (benches/roofline.py) and the fraction of it reached; the last columns are ferrollm's
+figure divided by each peer's.
+
+Run from the repository root with the project's interpreter, after ``bash benches/peers/setup.sh``:
+
+    .venv/bin/python benches/side_by_side.py [--model qwen2|smollm2] \
+        [--engines ferrollm,hf,vllm,llamacpp] [--workloads startup,mixed,fixed,latency]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+ENGINES = ("ferrollm", "hf", "vllm", "llamacpp")
+WORKLOADS = ("startup", "mixed", "fixed", "latency")
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A request set described the way ``ferrollm bench`` takes it."""
+
+    kind: str  # throughput | latency
+    num_prompts: int
+    input_len: int
+    output_len: int
+    range_ratio: float = 0.0
+    num_iters: int = 3
+    num_iters_warmup: int = 1
+
+
+# mixed: centre 272 +- 240 in, 136 +- 120 out; 240/272 == 120/136, so one ratio gives 32-512 / 16-256.
+SPECS = {
+    "mixed": Workload("throughput", 64, 272, 136, 240 / 272),
+    "fixed": Workload("throughput", 32, 128, 128),
+    "latency": Workload("latency", 1, 32, 128),
+}
+# --smoke: the same shapes, small enough to prove the harness end to end in a few minutes.
+SMOKE_SPECS = {
+    "mixed": Workload("throughput", 4, 48, 12, 1 / 3),
+    "fixed": Workload("throughput", 4, 16, 16),
+    "latency": Workload("latency", 1, 8, 16, num_iters=1),
+}
+STARTUP = Workload("latency", 1, 1, 1, num_iters=1, num_iters_warmup=0)
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--engines", default=",".join(ENGINES))
+    p.add_argument("--workloads", default=",".join(WORKLOADS))
+    p.add_argument("--model", choices=("qwen2", "smollm2"), default="qwen2")
+    p.add_argument("--bench-dir", type=Path, default=REPO / ".bench")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--num-iters", type=int, default=3, help="timed runs of the latency workload")
+    p.add_argument("--hf-batch-size", type=int, default=32)
+    p.add_argument("--vllm-enforce-eager", action="store_true")
+    p.add_argument("--ferrollm", default=str(Path(sys.executable).parent / "ferrollm"),
+                   help="ferrollm CLI (default: the one beside this interpreter)")
+    p.add_argument("--hf-python", default=sys.executable, help="interpreter for HF (default: this one)")
+    p.add_argument("--skip-roofline", action="store_true")
+    p.add_argument("--smoke", action="store_true", help="tiny workloads: checks the harness, measures nothing")
+    p.add_argument("--out", type=Path, default=None, help="JSON of every figure (default under <bench-dir>/results)")
+    return p.parse_args()
+
+
+def model_paths(args) -> dict:
+    """What each engine loads for --model, and the vocabulary the requests draw from."""
+    if args.model == "qwen2":
+        folder = args.bench_dir / "qwen2-0.5b"
+        return {"ferrollm": folder, "hf": folder, "vllm": folder, "llamacpp": args.bench_dir / "qwen2-0.5b-f32.gguf",
+                "sizing": folder, "vocab_size": 151936}
+    from ferrollm.cli import default_model
+
+    gguf = Path(default_model())
+    # vLLM reads GGUF only through a plugin its CPU wheel does not carry.
+    return {"ferrollm": gguf, "hf": gguf, "vllm": None, "llamacpp": gguf, "sizing": gguf, "vocab_size": 49152}
+
+
+def write_requests(args, workloads: list[str], vocab_size: int) -> Path:
+    from ferrollm.benchmarks.workloads import random_requests
+
+    folder = args.bench_dir / "requests" / f"{args.model}-seed{args.seed}{'-smoke' if args.smoke else ''}"
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in workloads:
+        if name == "startup":
+            continue
+        w = args.specs[name]
+        iters = args.num_iters if w.kind == "latency" else w.num_iters
+        reqs = random_requests(w.num_prompts, w.input_len, w.output_len, vocab_size, w.range_ratio, args.seed)
+        data = {"kind": w.kind, "num_iters": iters, "num_iters_warmup": w.num_iters_warmup,
+                "requests": [{"prompt_token_ids": r.prompt_token_ids, "output_len": r.output_len} for r in reqs]}
+        (folder / f"{name}.json").write_text(json.dumps(data))
+    return folder
+
+
+def _log_path(args, engine: str) -> Path:
+    folder = args.bench_dir / "logs"
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder / f"side_by_side-{args.model}-{engine}.log"
+
+
+def _run(cmd: list[str], log: Path, env: dict | None = None) -> str:
+    """Runs one engine process; its stderr goes to the log, its stdout is returned."""
+    print(f"  $ {' '.join(cmd)}", file=sys.stderr, flush=True)
+    with open(log, "a") as err:
+        err.write(f"\n$ {' '.join(cmd)}\n")
+        err.flush()
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env={**os.environ, **(env or {})})
+    if proc.returncode != 0:
+        raise RuntimeError(f"exit {proc.returncode}: {' '.join(cmd[:3])} ... (log: {log})")
+    return proc.stdout
+
+
+def run_ferrollm(args, model: Path, workloads: list[str], requests_dir: Path) -> dict:
+    cli = args.ferrollm
+    log = _log_path(args, "ferrollm")
+    env = {"OMP_NUM_THREADS": str(args.threads)}
+    out = args.bench_dir / "results" / "ferrollm-tmp.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    result: dict = {"engine": "ferrollm"}
+    for name in workloads:
+        w = STARTUP if name == "startup" else args.specs[name]
+        cmd = [cli, "bench", w.kind, "--model", str(model), "--input-len", str(w.input_len),
+               "--output-len", str(w.output_len), "--max-model-len", str(args.max_model_len),
+               "--seed", str(args.seed), "--output-json", str(out)]
+        if w.kind == "throughput":
+            cmd += ["--num-prompts", str(w.num_prompts), "--random-range-ratio", repr(w.range_ratio)]
+        else:
+            iters = w.num_iters if name == "startup" else args.num_iters
+            cmd += ["--batch-size", str(w.num_prompts), "--num-iters", str(iters),
+                    "--num-iters-warmup", str(w.num_iters_warmup)]
+        sys.stdout.write(_run(cmd, log, env))
+        figures = json.loads(out.read_text())
+        if name == "startup":
+            figures = {"startup_time": figures["startup_time"] + figures["latencies"][0],
+                       "constructor_time": figures["startup_time"]}
+        elif w.kind == "throughput":
+            _check_same_requests(name, figures, requests_dir)
+            figures["num_output_tokens"] = figures["total_num_tokens"] - _prompt_tokens(requests_dir, name)
+        result[name] = figures
+    return result
+
+
+def _prompt_tokens(requests_dir: Path, name: str) -> int:
+    data = json.loads((requests_dir / f"{name}.json").read_text())
+    return sum(len(r["prompt_token_ids"]) for r in data["requests"])
+
+
+def _check_same_requests(name: str, figures: dict, requests_dir: Path) -> None:
+    data = json.loads((requests_dir / f"{name}.json").read_text())
+    total = sum(len(r["prompt_token_ids"]) + r["output_len"] for r in data["requests"])
+    if figures["total_num_tokens"] != total:
+        raise RuntimeError(f"{name}: ferrollm ran {figures['total_num_tokens']} tokens, the peers' requests "
+                           f"have {total}: its workload generator no longer matches side_by_side's")
+
+
+def run_peer(args, engine: str, model: Path, workloads: list[str], requests_dir: Path) -> dict:
+    peers = Path(__file__).resolve().parent / "peers"
+    common = ["--model", str(model), "--requests-dir", str(requests_dir), "--workloads", ",".join(workloads),
+              "--threads", str(args.threads), "--max-model-len", str(args.max_model_len), "--seed", str(args.seed)]
+    env: dict = {}
+    if engine == "hf":
+        cmd = [args.hf_python, str(peers / "hf_bench.py"), *common, "--batch-size", str(args.hf_batch_size)]
+        env["OMP_NUM_THREADS"] = str(args.threads)
+    elif engine == "vllm":
+        cmd = [str(args.bench_dir / "venv-vllm" / "bin" / "python"), str(peers / "vllm_bench.py"), *common]
+        cmd += ["--enforce-eager"] if args.vllm_enforce_eager else []
+    else:
+        cmd = [str(args.bench_dir / "venv-llamacpp" / "bin" / "python"), str(peers / "llamacpp_bench.py"), *common]
+    lines = [line for line in _run(cmd, _log_path(args, engine), env).splitlines() if line.startswith("{")]
+    return json.loads(lines[-1])
+
+
+def measure_roofline(args, sizing: Path) -> dict:
+    import roofline
+
+    machine = roofline.measure(args.threads)
+    size = roofline.model_size(sizing)
+    return {**machine, "model": size,
+            "fp32": roofline.bounds(machine, size["params"], size["weight_bytes_fp32"]),
+            "stored": roofline.bounds(machine, size["params"], size["weight_bytes_stored"])}
+
+
+def main() -> None:
+    args = parse_args()
+    args.specs = SMOKE_SPECS if args.smoke else SPECS
+    if args.smoke:
+        args.num_iters = 1
+    engines = [e for e in args.engines.split(",") if e]
+    workloads = [w for w in args.workloads.split(",") if w]
+    for name in engines + workloads:
+        if name not in ENGINES + WORKLOADS:
+            sys.exit(f"unknown engine or workload: {name} (engines: {', '.join(ENGINES)}; "
+                     f"workloads: {', '.join(WORKLOADS)})")
+    paths = model_paths(args)
+    requests_dir = write_requests(args, workloads, paths["vocab_size"])
+    report: dict = {"model": args.model, "seed": args.seed, "threads": args.threads, "engines": {}}
+    if not args.skip_roofline:
+        print("roofline ...", file=sys.stderr, flush=True)
+        report["roofline"] = measure_roofline(args, paths["sizing"])
+    for engine in engines:
+        model = paths[engine]
+        if model is None:
+            report["engines"][engine] = {"error": f"{engine} cannot load the {args.model} checkpoint"}
+            continue
+        print(f"{engine} ...", file=sys.stderr, flush=True)
+        start = time.perf_counter()
+        try:
+            if engine == "ferrollm":
+                figures = run_ferrollm(args, model, workloads, requests_dir)
+            else:
+                figures = run_peer(args, engine, model, workloads, requests_dir)
+        except (RuntimeError, OSError, ValueError) as e:
+            figures = {"error": str(e)}
+        figures["wall_time"] = time.perf_counter() - start
+        report["engines"][engine] = figures
+    out = args.out or args.bench_dir / "results" / f"side_by_side-{args.model}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+    from report_table import format_report
+
+    print(format_report(report, engines, workloads))
+    print(f"\nfigures: {out}")
+
+
+if __name__ == "__main__":
+    main()
