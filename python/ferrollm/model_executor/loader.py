@@ -15,6 +15,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from ferrollm.exceptions import CheckpointError, UnsupportedModelError
+from ferrollm.model_executor.layers.cpu_gemm import onednn_enabled, pack_linear_weights
 from ferrollm.model_executor.registry import ModelRegistry
 
 __all__ = ["get_model", "gguf_to_hf_name", "iterate_safetensors", "load_gguf"]
@@ -187,4 +188,6 @@ def get_model(
     with torch.device(device):
         model = model_cls(config, dtype)
     model.load_weights(weights)
+    if onednn_enabled(torch.device(device), dtype):
+        pack_linear_weights(model)
     return model.eval()

@@ -12,8 +12,8 @@ rank's slice of a full checkpoint tensor, so model code loads checkpoints withou
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
 
 from ferrollm.distributed import (
     get_tensor_model_parallel_rank,
@@ -22,6 +22,7 @@ from ferrollm.distributed import (
     tensor_model_parallel_all_reduce,
 )
 from ferrollm.exceptions import CheckpointError, ConfigError
+from ferrollm.model_executor.layers.cpu_gemm import PackedWeight, linear
 from ferrollm.model_executor.weight_utils import copy_weight
 
 __all__ = [
@@ -92,6 +93,19 @@ class LinearBase(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
         raise NotImplementedError
 
+    # The packed oneDNN copy of the weight, set by `pack_for_cpu` after loading (CPU, fp32).
+    _packed: PackedWeight | None = None
+
+    def _bias_on_this_rank(self) -> torch.Tensor | None:
+        return self.bias
+
+    def pack_for_cpu(self) -> None:
+        """Packs the loaded weight for oneDNN (see `cpu_gemm`)."""
+        self._packed = PackedWeight(self.weight, self._bias_on_this_rank())
+
+    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return linear(x, self.weight, bias, self._packed)
+
     def extra_repr(self) -> str:
         return (f"in={self.input_size}, out={self.output_size}, bias={self.has_bias}, "
                 f"tp={self.tp_rank}/{self.tp_size}")
@@ -109,7 +123,7 @@ class ReplicatedLinear(LinearBase):
         copy_weight(param.data, loaded_weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self._matmul(x, self.bias)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -137,7 +151,7 @@ class ColumnParallelLinear(LinearBase):
         copy_weight(param.data, loaded_weight.narrow(0, self.tp_rank * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)
+        y = self._matmul(x, self.bias)
         return tensor_model_parallel_all_gather(y) if self.gather_output else y
 
 
@@ -283,7 +297,10 @@ class RowParallelLinear(LinearBase):
         size = param.shape[1]
         copy_weight(param.data, loaded_weight.narrow(1, self.tp_rank * size, size))
 
+    def _bias_on_this_rank(self) -> torch.Tensor | None:
+        # The partial sums are all-reduced, so only rank 0 adds the bias.
+        return self.bias if self.tp_rank == 0 else None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        bias = self.bias if self.tp_rank == 0 else None
-        y = F.linear(x, self.weight, bias)
+        y = self._matmul(x, self._bias_on_this_rank())
         return tensor_model_parallel_all_reduce(y) if self.reduce_results else y

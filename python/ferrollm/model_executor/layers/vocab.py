@@ -11,12 +11,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+
 from ferrollm.distributed import (
     get_tensor_model_parallel_rank,
     get_tensor_model_parallel_world_size,
     tensor_model_parallel_all_gather,
     tensor_model_parallel_all_reduce,
 )
+from ferrollm.model_executor.layers.cpu_gemm import PackedWeight, linear
 from ferrollm.model_executor.weight_utils import check_shape, copy_weight
 
 __all__ = ["DEFAULT_VOCAB_PADDING_SIZE", "ParallelLMHead", "VocabParallelEmbedding", "pad_vocab_size"]
@@ -113,6 +115,13 @@ class ParallelLMHead(VocabParallelEmbedding):
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("ParallelLMHead is applied with compute_logits(), not called")
 
+    # The packed oneDNN copy of the head, set by `pack_for_cpu` (CPU, fp32).
+    _packed: PackedWeight | None = None
+
+    def pack_for_cpu(self) -> None:
+        """Packs the head's weight for oneDNN (see `cpu_gemm`); a tied embedding keeps its own."""
+        self._packed = PackedWeight(self.weight, self.bias)
+
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Vocabulary logits of the given hidden states.
 
@@ -122,6 +131,6 @@ class ParallelLMHead(VocabParallelEmbedding):
         Returns:
             float32 ``[num_tokens, vocab_size]``, padding removed.
         """
-        logits = F.linear(hidden_states, self.weight, self.bias)
+        logits = linear(hidden_states, self.weight, self.bias, self._packed)
         logits = tensor_model_parallel_all_gather(logits, dim=-1)
         return logits[..., : self.org_vocab_size].float()
