@@ -134,6 +134,8 @@ def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -
     Returns:
         int64 [R] token ids.
     """
+    if probs.device.type == "cpu":
+        return _inverse_cdf_sample(probs, generators)
     q = torch.empty_like(probs)
     if len(generators) < probs.shape[0]:
         q.exponential_()
@@ -142,6 +144,27 @@ def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -
     # An exact 0 would turn a zero-probability token into 0/0 = NaN, which argmax prefers.
     q.clamp_min_(torch.finfo(q.dtype).tiny)
     return probs.div(q).argmax(dim=-1)
+
+
+def _inverse_cdf_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+    """One uniform number per row against the row's cumulative distribution.
+
+    On the CPU, drawing V exponentials is the cost: 117 ms for 32 rows of a 151936-word
+    vocabulary on the 2-core development machine, against a few ms for one float64 cumulative
+    sum. The sum is float64 so tail tokens keep their mass. A seeded row draws its one number
+    from its own generator, so its tokens still do not depend on the batch.
+    """
+    rows, vocab = probs.shape
+    u = torch.empty(rows, 1, dtype=torch.float64)
+    if len(generators) < rows:
+        u.uniform_()
+    for row, gen in generators.items():
+        u[row].uniform_(generator=gen)
+    cdf = probs.double().cumsum(dim=-1)
+    # Scaled by the row's total, so rounding in the sum never leaves u past the last token; the
+    # first cumulative value above u belongs to a token with nonzero probability.
+    idx = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)
+    return idx.squeeze(1).clamp_(max=vocab - 1)
 
 
 def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor,
