@@ -29,7 +29,7 @@ from ferrollm.model_executor.layers.linear import (
 from ferrollm.model_executor.layers.norm import LayerNorm
 from ferrollm.model_executor.layers.position_embedding import LearnedPositionEmbedding
 from ferrollm.model_executor.layers.vocab import ParallelLMHead, VocabParallelEmbedding
-from ferrollm.model_executor.models.utils import load_weights_into
+from ferrollm.model_executor.models.utils import CausalLMInterface, load_weights_into
 
 __all__ = ["GPT2LMHeadModel"]
 
@@ -108,7 +108,7 @@ class GPT2Model(nn.Module):
         return self.ln_f(hidden_states)
 
 
-class GPT2LMHeadModel(nn.Module):
+class GPT2LMHeadModel(CausalLMInterface, nn.Module):
     """GPT-2 decoder with an LM head (tied to ``wte`` unless the config says otherwise).
 
     Args:
@@ -136,18 +136,10 @@ class GPT2LMHeadModel(nn.Module):
         if self.tie_word_embeddings:
             self.lm_head.tie_weights(self.transformer.wte)
 
-    def kv_cache_spec(self) -> tuple[int, int, int]:
-        """``(num_layers, num_kv_heads on this rank, head_dim)`` for sizing the KV cache."""
-        return self.num_layers, self.num_kv_heads, self.head_dim
-
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], attn_metadata: AttentionMetadata) -> torch.Tensor:
         """Runs one step; same contract as :meth:`LlamaForCausalLM.forward`."""
         return self.transformer(input_ids, positions, kv_caches, attn_metadata)
-
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """float32 ``[num_rows, vocab_size]`` logits of the given hidden-state rows."""
-        return self.lm_head.compute_logits(hidden_states)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Loads an HF GPT-2 checkpoint's tensors by name (with or without ``transformer.``).

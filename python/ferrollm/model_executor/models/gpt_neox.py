@@ -28,7 +28,7 @@ from ferrollm.model_executor.layers.linear import (
 from ferrollm.model_executor.layers.norm import LayerNorm
 from ferrollm.model_executor.layers.rotary import get_rope, rope_parameters
 from ferrollm.model_executor.layers.vocab import ParallelLMHead, VocabParallelEmbedding
-from ferrollm.model_executor.models.utils import load_weights_into
+from ferrollm.model_executor.models.utils import CausalLMInterface, load_weights_into
 
 __all__ = ["GPTNeoXForCausalLM"]
 
@@ -109,7 +109,7 @@ class GPTNeoXModel(nn.Module):
         return self.final_layer_norm(hidden_states)
 
 
-class GPTNeoXForCausalLM(nn.Module):
+class GPTNeoXForCausalLM(CausalLMInterface, nn.Module):
     """GPT-NeoX decoder with an LM head (``embed_out`` in checkpoints).
 
     Args:
@@ -133,18 +133,10 @@ class GPTNeoXForCausalLM(nn.Module):
         if self.tie_word_embeddings:
             self.lm_head.tie_weights(self.gpt_neox.embed_in)
 
-    def kv_cache_spec(self) -> tuple[int, int, int]:
-        """``(num_layers, num_kv_heads on this rank, head_dim)`` for sizing the KV cache."""
-        return self.num_layers, self.num_kv_heads, self.head_dim
-
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], attn_metadata: AttentionMetadata) -> torch.Tensor:
         """Runs one step; same contract as :meth:`LlamaForCausalLM.forward`."""
         return self.gpt_neox(input_ids, positions, kv_caches, attn_metadata)
-
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """float32 ``[num_rows, vocab_size]`` logits of the given hidden-state rows."""
-        return self.lm_head.compute_logits(hidden_states)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Loads an HF GPT-NeoX checkpoint's tensors by name.

@@ -31,7 +31,7 @@ from ferrollm.model_executor.layers.linear import (
 from ferrollm.model_executor.layers.norm import RMSNorm
 from ferrollm.model_executor.layers.rotary import RotaryEmbedding, get_rope, rope_parameters
 from ferrollm.model_executor.layers.vocab import ParallelLMHead, VocabParallelEmbedding
-from ferrollm.model_executor.models.utils import load_weights_into
+from ferrollm.model_executor.models.utils import CausalLMInterface, load_weights_into
 
 __all__ = ["LayerOptions", "LlamaAttention", "LlamaDecoderLayer", "LlamaForCausalLM", "LlamaMLP",
            "LlamaModel", "head_dim_of"]
@@ -169,7 +169,7 @@ class LlamaModel(nn.Module):
         return hidden_states
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(CausalLMInterface, nn.Module):
     """Llama decoder with an LM head.
 
     Args:
@@ -229,16 +229,6 @@ class LlamaForCausalLM(nn.Module):
                                   dtype=self.dtype)
         return ropes[key]
 
-    def kv_cache_spec(self) -> tuple[int, int, int]:
-        """``(num_layers, num_kv_heads on this rank, head_dim)`` for sizing the KV cache."""
-        return self.num_layers, self.num_kv_heads, self.head_dim
-
-    def sliding_window_spec(self) -> int | None:
-        """The window when every layer slides with the same one (the engine may then free KV
-        blocks that fell out of it); ``None`` when some layer attends to its whole context."""
-        windows = set(self.sliding_windows)
-        return windows.pop() if len(windows) == 1 else None
-
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], attn_metadata: AttentionMetadata) -> torch.Tensor:
         """Runs one step.
@@ -253,10 +243,6 @@ class LlamaForCausalLM(nn.Module):
             Final hidden states ``[num_tokens, hidden_size]``.
         """
         return self.model(input_ids, positions, kv_caches, attn_metadata)
-
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """float32 ``[num_rows, vocab_size]`` logits of the given hidden-state rows."""
-        return self.lm_head.compute_logits(hidden_states)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Loads an HF checkpoint's tensors by name.

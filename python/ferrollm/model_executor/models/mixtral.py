@@ -27,7 +27,7 @@ from ferrollm.model_executor.layers.norm import RMSNorm
 from ferrollm.model_executor.layers.rotary import RotaryEmbedding, get_rope, rope_parameters
 from ferrollm.model_executor.layers.vocab import ParallelLMHead
 from ferrollm.model_executor.models.llama import LayerOptions, LlamaAttention, LlamaForCausalLM, LlamaModel
-from ferrollm.model_executor.models.utils import load_weights_into
+from ferrollm.model_executor.models.utils import CausalLMInterface, load_weights_into
 
 __all__ = ["MixtralForCausalLM", "MoEDecoderLayer"]
 
@@ -87,7 +87,7 @@ class MoEDecoderLayer(nn.Module):
         return self.mlp(hidden_states), residual
 
 
-class MixtralForCausalLM(nn.Module):
+class MixtralForCausalLM(CausalLMInterface, nn.Module):
     """Mixtral decoder with an LM head.
 
     Args:
@@ -139,20 +139,10 @@ class MixtralForCausalLM(nn.Module):
     def _sliding_window(config: PretrainedConfig, layer_idx: int) -> int | None:
         return getattr(config, "sliding_window", None)
 
-    sliding_window_spec = LlamaForCausalLM.sliding_window_spec
-
-    def kv_cache_spec(self) -> tuple[int, int, int]:
-        """``(num_layers, num_kv_heads on this rank, head_dim)`` for sizing the KV cache."""
-        return self.num_layers, self.num_kv_heads, self.head_dim
-
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], attn_metadata: AttentionMetadata) -> torch.Tensor:
         """Runs one step; same contract as :meth:`LlamaForCausalLM.forward`."""
         return self.model(input_ids, positions, kv_caches, attn_metadata)
-
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """float32 ``[num_rows, vocab_size]`` logits of the given hidden-state rows."""
-        return self.lm_head.compute_logits(hidden_states)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Loads an HF checkpoint's tensors by name, experts saved per expert or stacked.

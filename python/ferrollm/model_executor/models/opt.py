@@ -29,7 +29,7 @@ from ferrollm.model_executor.layers.linear import (
 from ferrollm.model_executor.layers.norm import LayerNorm
 from ferrollm.model_executor.layers.position_embedding import LearnedPositionEmbedding
 from ferrollm.model_executor.layers.vocab import ParallelLMHead, VocabParallelEmbedding
-from ferrollm.model_executor.models.utils import load_weights_into
+from ferrollm.model_executor.models.utils import CausalLMInterface, load_weights_into
 
 __all__ = ["OPTForCausalLM"]
 
@@ -135,7 +135,7 @@ class OPTModel(nn.Module):
         return self.decoder(input_ids, positions, kv_caches, attn_metadata)
 
 
-class OPTForCausalLM(nn.Module):
+class OPTForCausalLM(CausalLMInterface, nn.Module):
     """OPT decoder with an LM head over ``word_embed_proj_dim`` features.
 
     Args:
@@ -164,18 +164,10 @@ class OPTForCausalLM(nn.Module):
         if self.tie_word_embeddings:
             self.lm_head.tie_weights(self.model.decoder.embed_tokens)
 
-    def kv_cache_spec(self) -> tuple[int, int, int]:
-        """``(num_layers, num_kv_heads on this rank, head_dim)`` for sizing the KV cache."""
-        return self.num_layers, self.num_kv_heads, self.head_dim
-
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], attn_metadata: AttentionMetadata) -> torch.Tensor:
         """Runs one step; same contract as :meth:`LlamaForCausalLM.forward`."""
         return self.model(input_ids, positions, kv_caches, attn_metadata)
-
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """float32 ``[num_rows, vocab_size]`` logits of the given hidden-state rows."""
-        return self.lm_head.compute_logits(hidden_states)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Loads an HF OPT checkpoint's tensors by name (``model.decoder.*`` or ``decoder.*``).

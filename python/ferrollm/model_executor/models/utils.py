@@ -10,7 +10,36 @@ from torch import nn
 from ferrollm.exceptions import CheckpointError, UnsupportedModelError
 from ferrollm.model_executor.weight_utils import default_weight_loader
 
-__all__ = ["layer_sliding_window", "load_weights_into"]
+__all__ = ["CausalLMInterface", "layer_sliding_window", "load_weights_into"]
+
+class CausalLMInterface:
+    """What the engine asks of every decoder beyond ``forward``: KV sizing, the sliding window
+    when every layer shares one, and logits from the LM head.
+
+    Subclasses set ``num_layers``, ``num_kv_heads`` (on this rank), ``head_dim`` and ``lm_head``,
+    and ``sliding_windows`` (one entry per layer) when any layer slides.
+    """
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    lm_head: nn.Module
+    sliding_windows: Sequence[int | None] = ()
+
+    def kv_cache_spec(self) -> tuple[int, int, int]:
+        """``(num_layers, num_kv_heads on this rank, head_dim)`` for sizing the KV cache."""
+        return self.num_layers, self.num_kv_heads, self.head_dim
+
+    def sliding_window_spec(self) -> int | None:
+        """The window when every layer slides with the same one (the engine may then free KV
+        blocks that fell out of it); ``None`` when some layer attends to its whole context."""
+        windows = set(self.sliding_windows)
+        return windows.pop() if len(windows) == 1 else None
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """float32 ``[num_rows, vocab_size]`` logits of the given hidden-state rows."""
+        return self.lm_head.compute_logits(hidden_states)
+
 
 # (fused parameter, checkpoint projection, shard id): checkpoints keep q/k/v and gate/up apart,
 # the models fuse each group into one matmul. The shard id is passed to the parameter's
