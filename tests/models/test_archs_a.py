@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import transformers
-from helpers.engine_driver import TINY, build_checkpoint, hf_greedy, load_ferrollm_model, make_prompts, run_engine
+from helpers.engine_driver import SCENARIOS, TINY, build_checkpoint, hf_greedy, load_ferrollm_model, make_prompts, run_engine
 from transformers.activations import ACT2FN
 from transformers.models.gemma import modeling_gemma
 
@@ -38,15 +38,8 @@ ARCHS = {
     "granite": ("GraniteForCausalLM", None),
 }
 
-SCENARIOS = {
-    # Everything in one batch, no cache reuse; prompt lengths 3..40 straddle the windows (6-8).
-    "batched": dict(prompts=dict(), engine=dict(enable_prefix_caching=False)),
-    # Seven requests find the first one's two full blocks of shared prefix in the cache.
-    "prefix_caching": dict(prompts=dict(prefix=list(range(3, 35))),
-                           engine=dict(enable_prefix_caching=True, first_alone=True)),
-    # Prompts longer than the token budget are split into chunks that start mid-prompt.
-    "chunked_prefill": dict(prompts=dict(), engine=dict(max_num_batched_tokens=16, max_num_seqs=8)),
-}
+# Prompt lengths 3..40 straddle the windows (6-8); preemption is covered by the Llama-family file.
+SCENARIOS = {k: v for k, v in SCENARIOS.items() if k != "preemption"}
 
 
 @pytest.fixture(scope="module", params=list(ARCHS))

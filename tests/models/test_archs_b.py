@@ -18,6 +18,7 @@ import torch.nn.functional as F
 import transformers
 from helpers.engine_driver import (
     MORE_CONFIGS,
+    SCENARIOS,
     TINY,
     build_checkpoint,
     hf_greedy,
@@ -39,18 +40,6 @@ ARCHS = sorted(MORE_CONFIGS)
 MAX_TOKENS = 8
 VOCAB = TINY["vocab_size"]
 
-SCENARIOS = {
-    # Everything in one batch, no cache reuse.
-    "batched": dict(prompts=dict(), engine=dict(enable_prefix_caching=False)),
-    # Seven requests find the first one's two full blocks of shared prefix in the cache.
-    "prefix_caching": dict(prompts=dict(prefix=list(range(3, 35))),
-                           engine=dict(enable_prefix_caching=True, first_alone=True)),
-    # Prompts longer than the token budget are split into chunks that start mid-prompt.
-    "chunked_prefill": dict(prompts=dict(), engine=dict(max_num_batched_tokens=16, max_num_seqs=8)),
-    # 23 usable blocks of 4 tokens cannot hold eight requests growing to 48 tokens.
-    "preemption": dict(prompts=dict(), engine=dict(block_size=4, num_blocks=24, max_model_len=64,
-                                                   max_num_seqs=8)),
-}
 
 
 @pytest.fixture(scope="module", autouse=True)
