@@ -185,6 +185,23 @@ def test_draws_follow_the_tempered_softmax(temperature):
     assert chi2 < 16.27, (observed, expected)  # 3 degrees of freedom, p = 0.001
 
 
+def test_cpu_draws_across_blocks_follow_the_distribution_and_skip_masked_tokens():
+    # 700 tokens: two whole blocks of the two-level search and a short last one; every other
+    # token masked, mass spread so that each block (the last included) is drawn from.
+    vocab, num = 700, 30_000
+    logits = torch.full((vocab,), NEG_INF)
+    logits[::2] = torch.linspace(0.0, 2.0, vocab // 2)
+    torch.manual_seed(2)
+    draws = sample(logits.expand(num, vocab)).sampled_token_ids
+    assert bool((draws % 2 == 0).all()), "a masked token was drawn"
+    # Compare counts over 10 equal slices of the vocabulary (chi-square, 9 dof, p = 0.001).
+    probs = logits.softmax(dim=-1)
+    expected = probs.view(10, -1).sum(dim=1) * num
+    observed = torch.bincount(draws // (vocab // 10), minlength=10).float()
+    chi2 = float(((observed - expected) ** 2 / expected).sum())
+    assert chi2 < 27.88, (observed, expected)
+
+
 def test_logprobs_and_ranks_come_from_the_raw_logits(logits):
     out = sample(logits, temperature=0.7, top_k=3, presence_penalty=1.5,
                  prompt_token_ids=[[]] * 6, output_token_ids=[[1, 2]] * 6, max_num_logprobs=4)
