@@ -65,15 +65,27 @@ class RotaryEmbedding(nn.Module):
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.view(shape[0], -1, self.head_size)
-        rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
         cos, sin = cos[:, None], sin[:, None]
         if self.is_neox_style:
-            x1, x2 = rot.chunk(2, dim=-1)
-            rot = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
-        else:
-            x1, x2 = rot[..., 0::2], rot[..., 1::2]
-            rot = torch.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).flatten(-2)
+            return self._rotate_halves(x, cos, sin).view(shape)
+        rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
+        x1, x2 = rot[..., 0::2], rot[..., 1::2]
+        rot = torch.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).flatten(-2)
         return torch.cat([rot, rest], dim=-1).view(shape)
+
+    def _rotate_halves(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """NeoX style (`x`: ``[tokens, heads, head_size]``), written straight into one output:
+        four multiply(-add) kernels instead of eight element-wise ops and two concatenations
+        (~5% of a profiled CPU prefill step)."""
+        half = self.rotary_dim // 2
+        x1, x2 = x[..., :half], x[..., half : self.rotary_dim]
+        out = torch.empty_like(x)
+        out1, out2 = out[..., :half], out[..., half : self.rotary_dim]
+        torch.mul(x1, cos, out=out1).addcmul_(x2, sin, value=-1)
+        torch.mul(x2, cos, out=out2).addcmul_(x1, sin)
+        if self.rotary_dim < self.head_size:
+            out[..., self.rotary_dim :] = x[..., self.rotary_dim :]
+        return out
 
     def extra_repr(self) -> str:
         return (f"head_size={self.head_size}, rotary_dim={self.rotary_dim}, "
