@@ -17,6 +17,7 @@ from ferrollm.attention.backend import AttentionMetadata
 from ferrollm.model_executor.sampler import Sampler, compute_prompt_logprobs
 from ferrollm.model_executor.sampling_metadata import SamplingMetadata
 from ferrollm.sampling_params import SamplingParams
+from ferrollm.worker.cpu_allocator import keep_freed_memory
 from ferrollm.worker.cuda_graph import CudaGraphRunner
 from ferrollm.worker.request_state import CachedRequestState
 
@@ -52,6 +53,8 @@ class ModelRunner:
         self.cuda_graphs = cuda_graphs
         self.sampler = Sampler()
         self.requests: dict[int, CachedRequestState] = {}
+        if device.type == "cpu":
+            keep_freed_memory()  # after loading: see cpu_allocator
         self._index_of: dict[str, int] = {}
         # Parameters of requests the core has not scheduled yet, by request id.
         self._incoming: dict[str, SamplingParams] = {}
