@@ -222,11 +222,11 @@ impl StepBroadcaster {
         let start = Instant::now();
         let mut backoff = Backoff { rounds: 0 };
         loop {
-            let late = (0..self.num_readers).find(|&r| self.region.ack(r).load(Ordering::Acquire) < self.seq);
-            let Some(reader) = late else { return Ok(()) };
             if self.region.aborted() {
                 return Err(CoreError::StepChannel("the step channel was aborted".into()));
             }
+            let late = (0..self.num_readers).find(|&r| self.region.ack(r).load(Ordering::Acquire) < self.seq);
+            let Some(reader) = late else { return Ok(()) };
             if start.elapsed() >= timeout {
                 return Err(CoreError::StepChannel(format!(
                     "reader {reader} did not take message {} within {:.1}s",
@@ -246,6 +246,23 @@ impl StepBroadcaster {
     }
 
     /// Makes every current and future wait on this channel, on either side, fail at once.
+    pub fn abort(&self) {
+        self.region.u32_at(OFF_ABORTED).store(1, Ordering::Release);
+    }
+
+    /// A handle that can abort the channel from another thread while `publish` waits.
+    pub fn abort_handle(&self) -> CoreResult<AbortHandle> {
+        let file = self.region.file.try_clone().map_err(|e| io_error("reopen", e))?;
+        Ok(AbortHandle { region: Region::map(file)? })
+    }
+}
+
+/// Sets a channel's `aborted` flag; see [`StepBroadcaster::abort_handle`].
+pub struct AbortHandle {
+    region: Region,
+}
+
+impl AbortHandle {
     pub fn abort(&self) {
         self.region.u32_at(OFF_ABORTED).store(1, Ordering::Release);
     }
@@ -417,6 +434,22 @@ mod tests {
         rx.recv(SEC).unwrap(); // the Control already published is still delivered
         assert!(rx.recv(SEC).unwrap_err().to_string().contains("aborted"));
         assert!(start.elapsed() < Duration::from_secs(1));
+    }
+
+    #[test]
+    fn abort_handle_ends_a_publish_that_waits_on_a_silent_reader() {
+        let mut tx = StepBroadcaster::create(1).unwrap();
+        let _rx = StepReceiver::open(tx.path(), 0).unwrap();
+        tx.publish(&StepMessage::Control, SEC).unwrap();
+        let handle = tx.abort_handle().unwrap();
+        let aborter = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(30));
+            handle.abort();
+        });
+        let start = Instant::now();
+        assert!(tx.publish(&StepMessage::Control, SEC).unwrap_err().to_string().contains("aborted"));
+        assert!(start.elapsed() < Duration::from_secs(1));
+        aborter.join().unwrap();
     }
 
     #[test]

@@ -9,4 +9,4 @@
 mod channel;
 pub mod codec;
 
-pub use channel::{StepBroadcaster, StepMessage, StepReceiver, MAX_READERS};
+pub use channel::{AbortHandle, StepBroadcaster, StepMessage, StepReceiver, MAX_READERS};
