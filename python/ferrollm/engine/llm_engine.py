@@ -27,7 +27,7 @@ from ferrollm.exceptions import ConfigError, EngineError
 from ferrollm.pooling_params import PoolingParams
 from ferrollm.sampling_params import SamplingParams
 from ferrollm.executor import MultiprocExecutor
-from ferrollm.executor.launch import check_not_bootstrapping
+from ferrollm.executor.launch import check_not_bootstrapping, check_tp_shapes
 from ferrollm.worker.model_runner import ModelRunner
 from ferrollm.worker.pooling_runner import PoolingModelRunner
 from ferrollm.worker.worker import CacheOptions, Worker
@@ -147,6 +147,7 @@ class LLMEngine:
                                gpu_memory_utilization=args.gpu_memory_utilization, load_format=args.load_format)
         executor = None
         if args.tensor_parallel_size > 1:
+            check_tp_shapes(mc.hf_config, args.tensor_parallel_size)
             executor = MultiprocExecutor(mc, options, device, args.tensor_parallel_size)
             driver, run = executor.driver_worker, executor.collective_rpc
         else:

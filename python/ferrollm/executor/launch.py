@@ -96,3 +96,27 @@ def cpu_threads_per_rank(world_size: int) -> int:
     except AttributeError:  # not Linux
         cores = os.cpu_count() or 1
     return max(1, cores // world_size)
+
+
+def check_tp_shapes(hf_config, world_size: int) -> None:
+    """Refuses, before any process starts, a model whose attention heads cannot be split over
+    ``world_size`` ranks. KV heads fewer than the ranks are replicated when they divide the TP
+    size; the vocabulary is padded (vocab.py), so any vocabulary size works.
+
+    Raises:
+        ConfigError: naming the parameter and both sizes.
+    """
+    text = getattr(hf_config, "get_text_config", lambda: hf_config)()
+    num_heads = getattr(text, "num_attention_heads", None)
+    if num_heads is None:
+        return
+    if num_heads % world_size:
+        raise ConfigError(f"`num_attention_heads` ({num_heads}) must be divisible by `tensor_parallel_size` "
+                          f"({world_size})")
+    num_kv_heads = getattr(text, "num_key_value_heads", None) or num_heads
+    if num_kv_heads >= world_size and num_kv_heads % world_size:
+        raise ConfigError(f"`num_key_value_heads` ({num_kv_heads}) must be divisible by `tensor_parallel_size` "
+                          f"({world_size})")
+    if num_kv_heads < world_size and world_size % num_kv_heads:
+        raise ConfigError(f"`tensor_parallel_size` ({world_size}) must be a multiple of `num_key_value_heads` "
+                          f"({num_kv_heads}) when there are fewer KV heads than ranks (each is replicated)")

@@ -29,7 +29,7 @@ import torch
 
 from ferrollm._core import StepBroadcaster
 from ferrollm.config.model_config import ModelConfig
-from ferrollm.exceptions import EngineDeadError, WorkerError
+from ferrollm.exceptions import EngineDeadError, FerroLLMError, StepChannelError, WorkerError
 from ferrollm.executor.launch import Rendezvous, cpu_threads_per_rank, rank_device
 from ferrollm.executor.worker_proc import WorkerConfig, worker_main
 from ferrollm.worker.worker import CacheOptions, Worker
@@ -244,9 +244,14 @@ class MultiprocExecutor:
         error = self._worker_error(FAILURE_GRACE_S if cause is not None else 5.0, during)
         self._workers.failure = error or cause or EngineDeadError("unknown failure")
         self.shutdown(graceful=False)
-        if error is not None:
+        # A configuration or checkpoint error on rank 0 is the same on every rank: the caller
+        # gets it as raised here rather than wrapped in a worker's copy.
+        own = isinstance(cause, FerroLLMError) and not isinstance(cause, StepChannelError)
+        if error is not None and not own:
             raise error from cause
-        raise cause  # type: ignore[misc]
+        if cause is None:
+            raise EngineDeadError(f"a tensor-parallel worker stopped during {during} without reporting why")
+        raise cause
 
     def _worker_error(self, grace_s: float, during: str) -> WorkerError | None:
         """The first worker's error report or exit, waiting up to ``grace_s`` for one."""
@@ -266,7 +271,8 @@ class MultiprocExecutor:
             proc.join(timeout=1.0)
             if not proc.is_alive():
                 return WorkerError(f"tensor-parallel worker rank {rank} (pid {proc.pid}) died during {during} "
-                                   f"with exit code {proc.exitcode}{self._startup_hint()}")
+                                   f"with exit code {proc.exitcode}"
+                                   f"{self._startup_hint() if during == 'start-up' else ''}")
         return None
 
     def _startup_hint(self) -> str:
