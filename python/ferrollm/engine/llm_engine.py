@@ -9,6 +9,7 @@ prompt's hidden states instead of sampling (see ``worker/pooling_runner.py``).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -101,6 +102,8 @@ class LLMEngine:
                  executor: MultiprocExecutor | None = None):
         self.args = args
         self.executor = executor
+        # Wall time every rank took to load its weights (the slowest rank's).
+        self.model_load_seconds = 0.0
         self.model_config = model_config
         self.tokenizers = tokenizers
         self.core = core
@@ -156,7 +159,9 @@ class LLMEngine:
             def run(method: str, *a: Any) -> list[Any]:
                 return [getattr(driver, method)(*a)]
         try:
+            start = time.perf_counter()
             num_blocks = min(run("load_model"))
+            load_seconds = time.perf_counter() - start
             core = _build_core(args, mc, driver.sliding_window(), num_blocks, tokenizers, device)
             run("init_kv_cache", num_blocks, tokenizers.core.eos_token_ids)
         except BaseException:
@@ -166,7 +171,9 @@ class LLMEngine:
         if executor is not None:
             core.set_step_broadcaster(executor.broadcaster)
         assert driver.runner is not None
-        return cls(args, mc, tokenizers, core, driver.runner, executor)
+        engine = cls(args, mc, tokenizers, core, driver.runner, executor)
+        engine.model_load_seconds = load_seconds
+        return engine
 
     @property
     def generation_runner(self) -> ModelRunner:

@@ -47,6 +47,8 @@ const OFF_ATTACHED: usize = 56;
 const OFF_ACKS: usize = 128;
 
 /// What one message on the channel carries.
+// Built once per step and moved, never stored in bulk: boxing the step would only add an allocation.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Clone, PartialEq)]
 pub enum StepMessage {
     /// A step for the model runners.
@@ -153,7 +155,8 @@ impl StepBroadcaster {
         }
         let dir = Path::new("/dev/shm");
         let dir = if dir.is_dir() { dir.to_path_buf() } else { std::env::temp_dir() };
-        let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
+        let nanos =
+            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
         let path = dir.join(format!("ferrollm-steps-{}-{nanos}", std::process::id()));
         let file = OpenOptions::new()
             .read(true)

@@ -110,7 +110,7 @@ impl<'a> Decoder<'a> {
 
     fn vec<T: Scalar>(&mut self) -> CoreResult<Vec<T>> {
         let n = self.u64()? as usize;
-        let bytes = self.take(n.checked_mul(T::SIZE).unwrap_or(usize::MAX))?;
+        let bytes = self.take(n.saturating_mul(T::SIZE))?;
         let out = bytes.chunks_exact(T::SIZE).map(T::get).collect();
         self.pos = self.pos.next_multiple_of(8).min(self.bytes.len());
         Ok(out)
@@ -246,7 +246,14 @@ fn encode_sampling_options(e: &mut Encoder<'_>, s: &SamplingOptions) {
     e.slice(&s.stop_token_ids);
     e.opt(s.logprobs);
     e.opt(s.prompt_logprobs);
-    e.slice(&[s.temperature, s.top_p, s.min_p, s.presence_penalty, s.frequency_penalty, s.repetition_penalty]);
+    e.slice(&[
+        s.temperature,
+        s.top_p,
+        s.min_p,
+        s.presence_penalty,
+        s.frequency_penalty,
+        s.repetition_penalty,
+    ]);
     e.slice(&[s.top_k]);
     e.opt(s.seed);
 }
