@@ -11,6 +11,7 @@ import sys
 import textwrap
 import threading
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -79,6 +80,10 @@ def test_close_leaves_no_process_and_a_second_engine_starts(tiny_llama):
     assert not torch.distributed.is_initialized()
 
 
+def _shm_files() -> set[str]:
+    return {p.name for p in Path("/dev/shm").glob("ferrollm-steps-*")} if Path("/dev/shm").is_dir() else set()
+
+
 def _run_script(tmp_path, body: str) -> subprocess.CompletedProcess:
     script = tmp_path / "script.py"
     script.write_text(textwrap.dedent(body))
@@ -87,6 +92,7 @@ def _run_script(tmp_path, body: str) -> subprocess.CompletedProcess:
 
 
 def test_a_script_without_main_guard_is_told_the_fix(tiny_llama, tmp_path):
+    before = _shm_files()
     done = _run_script(tmp_path, f"""
         from ferrollm import LLM
         llm = LLM({str(tiny_llama[0])!r}, tensor_parallel_size=2, max_model_len=128)
@@ -94,6 +100,7 @@ def test_a_script_without_main_guard_is_told_the_fix(tiny_llama, tmp_path):
     """)
     assert done.returncode != 0
     assert "WorkerError" in done.stderr and 'if __name__ == "__main__":' in done.stderr, done.stderr[-3000:]
+    assert _shm_files() <= before  # the step channel's file went with the failed start
 
 
 def test_interpreter_exit_without_close_leaves_no_process(tiny_llama, tmp_path):
@@ -137,6 +144,7 @@ def test_rendezvous_follows_master_addr_and_port(monkeypatch):
 
 
 def test_workers_exit_when_the_parent_is_killed(tiny_llama, tmp_path):
+    before = _shm_files()
     done = _run_script(tmp_path, f"""
         import os, signal
         from ferrollm import LLM
@@ -147,3 +155,4 @@ def test_workers_exit_when_the_parent_is_killed(tiny_llama, tmp_path):
     """)
     assert done.returncode == -signal.SIGKILL
     _wait_gone([int(p) for p in done.stdout.split("pids")[1].split()])
+    assert _shm_files() <= before

@@ -85,6 +85,7 @@ class _Workers:
                 p.join()
         if self.in_group:
             _leave_group(barrier=False)
+        self.broadcaster.close()
         for c in self.conns:
             c.close()
         os.close(self._stop_r)

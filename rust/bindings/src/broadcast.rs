@@ -81,6 +81,12 @@ impl PyStepBroadcaster {
         Ok(py.detach(|| s.lock().publish(&StepMessage::Control, s.timeout))?)
     }
 
+    /// Aborts the channel and removes its shared-memory file if it is still there.
+    fn close(&self, py: Python<'_>) {
+        self.abort.abort();
+        py.detach(|| self.shared.lock().close());
+    }
+
     /// Tells every reader to exit.
     fn publish_shutdown(&self, py: Python<'_>) -> PyCoreResult<()> {
         let s = &self.shared;

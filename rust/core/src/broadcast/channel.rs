@@ -15,8 +15,9 @@
 //! timeout, and either side can set `aborted` so the other stops waiting at once.
 //!
 //! The file lives in `/dev/shm` (the temp dir elsewhere). Every reader keeps its own file handle
-//! (and remaps it when the writer grew the file), so the writer unlinks the file as soon as all
-//! readers have attached: no file is left behind even if every process is killed afterwards.
+//! (and remaps it when the writer grew the file), so the last reader to attach unlinks the file:
+//! no file is left behind even if every process is killed afterwards. `close` (or drop) removes
+//! it when some reader never attached.
 
 use std::fs::{File, OpenOptions};
 use std::path::{Path, PathBuf};
@@ -242,15 +243,24 @@ impl StepBroadcaster {
     }
 
     fn unlink_once_attached(&mut self) {
+        // The last reader to attach removed the file (see `StepReceiver::open`).
         let attached = self.region.u64_at(OFF_ATTACHED).load(Ordering::Acquire) as usize;
-        if !self.unlinked && attached >= self.num_readers {
-            self.unlinked = std::fs::remove_file(&self.path).is_ok();
-        }
+        self.unlinked |= attached >= self.num_readers;
     }
 
     /// Makes every current and future wait on this channel, on either side, fail at once.
     pub fn abort(&self) {
         self.region.u32_at(OFF_ABORTED).store(1, Ordering::Release);
+    }
+
+    /// Aborts the channel and removes its file if readers have not all attached yet (a rank
+    /// failed to start). Publishing afterwards fails.
+    pub fn close(&mut self) {
+        self.abort();
+        if !self.unlinked {
+            let _ = std::fs::remove_file(&self.path);
+            self.unlinked = true;
+        }
     }
 
     /// A handle that can abort the channel from another thread while `publish` waits.
@@ -273,10 +283,7 @@ impl AbortHandle {
 
 impl Drop for StepBroadcaster {
     fn drop(&mut self) {
-        self.abort();
-        if !self.unlinked {
-            let _ = std::fs::remove_file(&self.path);
-        }
+        self.close();
     }
 }
 
@@ -299,7 +306,11 @@ impl StepReceiver {
         if reader >= num_readers {
             return Err(CoreError::config("reader", format!("< {num_readers}"), reader));
         }
-        region.u64_at(OFF_ATTACHED).fetch_add(1, Ordering::AcqRel);
+        // The last reader to attach unlinks the file: every process now holds its own handle,
+        // so nothing is left in /dev/shm whatever happens to them later.
+        if region.u64_at(OFF_ATTACHED).fetch_add(1, Ordering::AcqRel) + 1 == num_readers as u64 {
+            let _ = std::fs::remove_file(path);
+        }
         let seq = region.u64_at(OFF_SEQ).load(Ordering::Acquire);
         region.ack(reader).store(seq, Ordering::Release);
         Ok(Self { region, reader, seq })
@@ -363,11 +374,13 @@ mod tests {
 
     #[test]
     fn file_is_unlinked_once_every_reader_attached() {
-        let mut tx = StepBroadcaster::create(1).unwrap();
+        let mut tx = StepBroadcaster::create(2).unwrap();
         let path = tx.path().to_path_buf();
-        let mut rx = StepReceiver::open(&path, 0).unwrap();
-        tx.publish(&StepMessage::Control, SEC).unwrap();
+        let _rx0 = StepReceiver::open(&path, 0).unwrap();
+        assert!(path.exists());
+        let mut rx = StepReceiver::open(&path, 1).unwrap();
         assert!(!path.exists());
+        tx.publish(&StepMessage::Control, SEC).unwrap();
         assert_eq!(rx.recv(SEC).unwrap(), Some(StepMessage::Control));
     }
 
@@ -453,6 +466,16 @@ mod tests {
         assert!(tx.publish(&StepMessage::Control, SEC).unwrap_err().to_string().contains("aborted"));
         assert!(start.elapsed() < Duration::from_secs(1));
         aborter.join().unwrap();
+    }
+
+    #[test]
+    fn close_removes_the_file_when_a_reader_never_attached() {
+        let mut tx = StepBroadcaster::create(2).unwrap();
+        let path = tx.path().to_path_buf();
+        let _rx = StepReceiver::open(&path, 0).unwrap();
+        tx.close();
+        assert!(!path.exists());
+        assert!(tx.publish(&StepMessage::Control, SEC).is_err());
     }
 
     #[test]
