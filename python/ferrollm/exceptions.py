@@ -21,6 +21,9 @@ __all__ = [
     "StepMismatchError",
     "EngineError",
     "EngineClosedError",
+    "EngineDeadError",
+    "WorkerError",
+    "StepChannelError",
 ]
 
 
@@ -73,3 +76,17 @@ class EngineError(FerroLLMError, RuntimeError):
 
 class EngineClosedError(EngineError):
     """The engine was shut down."""
+
+
+class EngineDeadError(EngineError):
+    """The engine can no longer run steps (a tensor-parallel rank failed); build a new `LLM`."""
+
+
+class WorkerError(EngineDeadError):
+    """A tensor-parallel worker rank raised or died; the message holds that rank's traceback
+    (or its exit code)."""
+
+
+class StepChannelError(EngineError):
+    """The shared-memory channel that carries steps to the worker ranks failed, timed out or was
+    aborted because a rank died."""

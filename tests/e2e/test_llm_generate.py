@@ -233,7 +233,7 @@ def test_close_is_idempotent_and_blocks_use(tiny_llama):
     [
         ({"dtype": "float8"}, "dtype"),
         ({"device": "tpu"}, "device"),
-        ({"tensor_parallel_size": 2}, "tensor_parallel_size"),
+        ({"tensor_parallel_size": 0}, "tensor_parallel_size"),
         ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
         ({"block_size": 0}, "block_size"),
         ({"max_num_seqs": 0}, "max_num_seqs"),

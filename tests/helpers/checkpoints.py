@@ -22,6 +22,16 @@ def _checkpoint(kind: str, folder: Path, tokenizer_dir: Path):
     return folder, hf_model
 
 
+def checkpoint_with_tokenizer(kind: str, folder: Path, tokenizer_dir: Path) -> Path:
+    """A tiny checkpoint of kind ``kind`` (engine_driver's CONFIGS/MORE_CONFIGS) that `LLM` loads."""
+    return _checkpoint(kind, folder, tokenizer_dir)[0]
+
+
+def add_tokenizer(folder: Path, tokenizer_dir: Path) -> None:
+    """Copies the test tokenizer into a checkpoint folder."""
+    _add_tokenizer(folder, tokenizer_dir)
+
+
 def _add_tokenizer(folder: Path, tokenizer_dir: Path) -> None:
     shutil.copy(tokenizer_dir / "tokenizer.json", folder / "tokenizer.json")
     # transformers wants the plain string form of the special tokens.

@@ -9,6 +9,7 @@ prompt's hidden states instead of sampling (see ``worker/pooling_runner.py``).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -22,13 +23,19 @@ from ferrollm.config.compilation import CompilationConfig
 from ferrollm.config.generation_config import default_sampling_fields
 from ferrollm.config.model_config import ModelConfig, build_model_config
 from ferrollm.config.model_source import resolve_model_source
-from ferrollm.engine.kv_memory import bytes_per_block, cpu_kv_cache_bytes, num_kv_blocks
 from ferrollm.engine.tokenizer_loader import Tokenizers, load_tokenizers
 from ferrollm.exceptions import ConfigError, EngineError
 from ferrollm.pooling_params import PoolingParams
 from ferrollm.sampling_params import SamplingParams
+from ferrollm.executor import MultiprocExecutor
+from ferrollm.executor.launch import check_not_bootstrapping, check_tp_shapes
 from ferrollm.worker.model_runner import ModelRunner
 from ferrollm.worker.pooling_runner import PoolingModelRunner
+from ferrollm.worker.worker import CacheOptions, Worker
+
+
+# The step channel serves up to 112 readers; no machine has that many accelerators.
+MAX_TP_SIZE = 64
 
 
 @dataclass
@@ -50,6 +57,8 @@ class EngineArgs:
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False
     tensor_parallel_size: int = 1
+    distributed_executor_backend: str | None = None
+    load_format: str = "auto"
     runner: str = "auto"
     convert: str = "auto"
     pooler_config: Any = None
@@ -59,8 +68,16 @@ class EngineArgs:
 
     def validate(self) -> None:
         self.compilation_config = CompilationConfig.from_value(self.compilation_config)
-        if self.tensor_parallel_size != 1:
-            raise ConfigError(f"`tensor_parallel_size` must be 1 in this build (multi-process TP is not available yet). Given: {self.tensor_parallel_size}")
+        if not isinstance(self.tensor_parallel_size, int) or not 1 <= self.tensor_parallel_size <= MAX_TP_SIZE:
+            raise ConfigError(f"`tensor_parallel_size` must be an int >= 1 and <= {MAX_TP_SIZE}. Given: {self.tensor_parallel_size!r}")
+        if self.distributed_executor_backend not in (None, "mp"):
+            raise ConfigError(
+                "`distributed_executor_backend` must be 'mp' or None (ferrollm runs tensor-parallel ranks as "
+                f"processes on this machine; Ray is not supported). Given: {self.distributed_executor_backend!r}")
+        from ferrollm.model_executor.loader import LOAD_FORMATS
+
+        if self.load_format not in LOAD_FORMATS:
+            raise ConfigError(f"`load_format` must be one of {list(LOAD_FORMATS)}. Given: {self.load_format!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ConfigError(f"`gpu_memory_utilization` must be in (0, 1]. Given: {self.gpu_memory_utilization}")
         if self.block_size < 1:
@@ -81,8 +98,12 @@ class LLMEngine:
     """The loaded engine. Build it with `LLMEngine.from_args`."""
 
     def __init__(self, args: EngineArgs, model_config: ModelConfig, tokenizers: Tokenizers,
-                 core: EngineCore, runner: ModelRunner | PoolingModelRunner):
+                 core: EngineCore, runner: ModelRunner | PoolingModelRunner,
+                 executor: MultiprocExecutor | None = None):
         self.args = args
+        self.executor = executor
+        # Wall time every rank took to load its weights (the slowest rank's).
+        self.model_load_seconds = 0.0
         self.model_config = model_config
         self.tokenizers = tokenizers
         self.core = core
@@ -96,6 +117,8 @@ class LLMEngine:
     @classmethod
     def from_args(cls, args: EngineArgs) -> LLMEngine:
         args.validate()
+        if args.tensor_parallel_size > 1:
+            check_not_bootstrapping()
         if args.seed is not None:
             torch.manual_seed(args.seed)
         device = _device(args.device)
@@ -107,12 +130,50 @@ class LLMEngine:
             pooler_config=args.pooler_config,
         )
         tokenizers = load_tokenizers(source, args.tokenizer, args.revision)
-        from ferrollm.model_executor.loader import get_model
+        if model_config.is_pooling:
+            if args.tensor_parallel_size > 1:
+                raise ConfigError("`tensor_parallel_size` must be 1 for a pooling model (runner='pooling'). "
+                                  f"Given: {args.tensor_parallel_size}")
+            from ferrollm.model_executor.loader import get_model
 
-        model = get_model(model_config.hf_config, model_config.dtype, weights(), device=device)
-        build = _build_pooling_core if model_config.is_pooling else _build_core
-        core, runner = build(args, model_config, model, tokenizers, device)
-        return cls(args, model_config, tokenizers, core, runner)
+            model = get_model(model_config.hf_config, model_config.dtype, weights(), device=device)
+            core, runner = _build_pooling_core(args, model_config, model, tokenizers, device)
+            return cls(args, model_config, tokenizers, core, runner)
+        return cls._from_workers(args, model_config, tokenizers, device)
+
+    @classmethod
+    def _from_workers(cls, args: EngineArgs, mc: ModelConfig, tokenizers: Tokenizers, device: torch.device) -> LLMEngine:
+        """A generative engine: every rank loads its shard and states how many KV blocks it can
+        hold; the core gets the smallest number, and every rank allocates that many."""
+        options = CacheOptions(block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+                               max_num_batched_tokens=_batched_tokens(args),
+                               gpu_memory_utilization=args.gpu_memory_utilization, load_format=args.load_format)
+        executor = None
+        if args.tensor_parallel_size > 1:
+            check_tp_shapes(mc.hf_config, args.tensor_parallel_size)
+            executor = MultiprocExecutor(mc, options, device, args.tensor_parallel_size)
+            driver, run = executor.driver_worker, executor.collective_rpc
+        else:
+            driver = Worker(mc, options, 0, 1, device)
+
+            def run(method: str, *a: Any) -> list[Any]:
+                return [getattr(driver, method)(*a)]
+        try:
+            start = time.perf_counter()
+            num_blocks = min(run("load_model"))
+            load_seconds = time.perf_counter() - start
+            core = _build_core(args, mc, driver.sliding_window(), num_blocks, tokenizers, device)
+            run("init_kv_cache", num_blocks, tokenizers.core.eos_token_ids)
+        except BaseException:
+            if executor is not None:
+                executor.shutdown(graceful=False)
+            raise
+        if executor is not None:
+            core.set_step_broadcaster(executor.broadcaster)
+        assert driver.runner is not None
+        engine = cls(args, mc, tokenizers, core, driver.runner, executor)
+        engine.model_load_seconds = load_seconds
+        return engine
 
     @property
     def generation_runner(self) -> ModelRunner:
@@ -136,6 +197,7 @@ class LLMEngine:
                      params: list[SamplingParams], add_special_tokens: bool = True,
                      priorities: list[int] | None = None) -> None:
         """Queues requests atomically: either all are accepted or none is."""
+        self.check_alive()
         for p in params:
             p.verify_token_ids(self.vocab_size)
         self.core.add_requests(request_ids, list(prompts), [p.to_core() for p in params],
@@ -156,14 +218,46 @@ class LLMEngine:
         return self.core.has_unfinished_requests()
 
     def step(self) -> list[EngineCoreOutput]:
-        """One schedule -> execute -> update; returns the requests that finished."""
-        step = self.core.schedule()
+        """One schedule -> execute -> update; returns the requests that finished.
+
+        Raises:
+            WorkerError: a tensor-parallel worker raised or died (its traceback included); the
+                engine is dead afterwards (`EngineDeadError` on later calls).
+        """
+        if self.executor is None:
+            step = self.core.schedule()
+            try:
+                sampled = self.runner.execute_model(step)
+            except BaseException:
+                self.abort_all()
+                raise
+            return self.core.update(sampled)
+        executor = self.executor
+        executor.check_alive()
         try:
+            # Publishes the step to the other ranks before rank 0 runs it.
+            step = self.core.schedule()
             sampled = self.runner.execute_model(step)
-        except BaseException:
+        except BaseException as e:
+            # The ranks are out of step (or dead): no further step can be broadcast.
+            self.core.set_step_broadcaster(None)
             self.abort_all()
-            raise
+            executor._raise_failure(e)
         return self.core.update(sampled)
+
+    def check_alive(self) -> None:
+        """Raises `EngineDeadError` when a tensor-parallel rank failed earlier."""
+        if self.executor is not None:
+            self.executor.check_alive()
+
+    def save_sharded_state(self, path: str, pattern: str | None = None, max_size: int | None = None) -> None:
+        """Every rank writes its own parameters to ``path`` (see `LLM.save_sharded_state`)."""
+        if self.executor is not None:
+            self.executor.collective_rpc("save_sharded_state", path, pattern, max_size)
+            return
+        from ferrollm.model_executor.sharded_state import save_rank_state
+
+        save_rank_state(self.generation_runner.model, path, 0, pattern, max_size)
 
     def abort_all(self) -> None:
         """Aborts everything after a failed or interrupted step and clears the runner's state,
@@ -175,6 +269,9 @@ class LLMEngine:
             self.runner.release(out.request_id)
 
     def close(self) -> None:
+        if self.executor is not None:
+            self.core.set_step_broadcaster(None)
+            self.executor.shutdown()
         self.runner.kv_caches.clear()
         self.tokenizers.close()
 
@@ -195,30 +292,22 @@ def _read_checkpoint(source):
     return config, lambda: loader.iterate_safetensors(source.folder)
 
 
-def _build_core(args: EngineArgs, mc: ModelConfig, model, tokenizers: Tokenizers, device: torch.device):
-    num_layers, num_kv_heads, head_dim = model.kv_cache_spec()
-    dtype_size = torch.tensor([], dtype=mc.dtype).element_size()
-    block_bytes = bytes_per_block(num_layers, num_kv_heads, head_dim, args.block_size, dtype_size)
-    budget = cpu_kv_cache_bytes() if device.type == "cpu" else _gpu_kv_budget(args, device)
-    batched = args.max_num_batched_tokens or max(8192, args.max_num_seqs)
-    # When every layer slides, the core frees blocks behind the window: a sequence then holds
-    # at most the window plus one step's chunk, whatever its length.
-    window = model.sliding_window_spec() if hasattr(model, "sliding_window_spec") else None
-    seq_tokens = mc.max_model_len if window is None else min(mc.max_model_len, window + batched + 2 * args.block_size)
-    num_blocks = num_kv_blocks(budget, block_bytes, args.block_size, seq_tokens, args.max_num_seqs)
+def _batched_tokens(args: EngineArgs) -> int:
+    return args.max_num_batched_tokens or max(8192, args.max_num_seqs)
+
+
+def _build_core(args: EngineArgs, mc: ModelConfig, window: int | None, num_blocks: int, tokenizers: Tokenizers,
+                device: torch.device) -> EngineCore:
+    batched = _batched_tokens(args)
     # Decides (and checks) the decode sizes a CUDA graph runner would capture. Capture itself is
     # not switched on until the graph runner has been validated on a GPU (tests/kernels/test_cuda_graph.py).
     CompilationConfig.from_value(args.compilation_config).init_capture_sizes(
         args.max_num_seqs, batched, enforce_eager=args.enforce_eager or device.type != "cuda")
-    core = EngineCore(
+    return EngineCore(
         tokenizer=tokenizers.core, block_size=args.block_size, num_blocks=num_blocks,
         enable_prefix_caching=args.enable_prefix_caching, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=batched, max_model_len=mc.max_model_len, sliding_window=window,
     )
-    kv_caches = allocate_kv_cache(num_layers, num_blocks, args.block_size, num_kv_heads, head_dim, mc.dtype, device)
-    runner = ModelRunner(model, kv_caches, args.block_size, device,
-                         vocab_size=int(mc.hf_config.vocab_size), eos_token_ids=tokenizers.core.eos_token_ids)
-    return core, runner
 
 
 def _build_pooling_core(args: EngineArgs, mc: ModelConfig, model, tokenizers: Tokenizers,
@@ -246,9 +335,3 @@ def _build_pooling_core(args: EngineArgs, mc: ModelConfig, model, tokenizers: To
     kv_caches = [] if spec is None else allocate_kv_cache(spec[0], num_blocks, args.block_size, spec[1], spec[2], mc.dtype, device)
     assert mc.pooler is not None
     return core, PoolingModelRunner(model, kv_caches, args.block_size, device, mc.pooler.pooling_type)
-
-
-def _gpu_kv_budget(args: EngineArgs, device: torch.device) -> int:
-    free, total = torch.cuda.mem_get_info(device)
-    used = total - free
-    return max(0, int(total * args.gpu_memory_utilization) - used)

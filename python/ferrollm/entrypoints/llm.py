@@ -46,7 +46,12 @@ class LLM(PoolingMixin):
         enforce_eager: never capture CUDA graphs (GPU only).
         compilation_config: a `CompilationConfig`, a dict of its fields or an int level, as vLLM
             takes it; decides the CUDA-graph capture sizes (no torch.compile runs).
-        tensor_parallel_size: must be 1 for now.
+        tensor_parallel_size: ranks to shard the model over. Ranks beyond the first run in
+            spawned processes on this machine (GPU i of CUDA_VISIBLE_DEVICES for rank i, or an
+            even share of the CPU cores each); build the LLM under ``if __name__ == "__main__":``.
+        distributed_executor_backend: "mp" (the default) or None; "ray" is not supported.
+        load_format: "auto", "safetensors", "gguf", or "sharded_state" for a folder written by
+            `save_sharded_state` at the same tensor_parallel_size.
         runner: "auto", "generate" or "pooling". "auto" pools for encoder-only models (BERT),
             for convert="embed" and for checkpoints with a sentence-transformers pooling config,
             and generates otherwise.
@@ -79,6 +84,8 @@ class LLM(PoolingMixin):
         gpu_memory_utilization: float = 0.9,
         enforce_eager: bool = False,
         tensor_parallel_size: int = 1,
+        distributed_executor_backend: str | None = None,
+        load_format: str = "auto",
         runner: str = "auto",
         convert: str = "auto",
         pooler_config: Any = None,
@@ -93,6 +100,7 @@ class LLM(PoolingMixin):
             enable_prefix_caching=True if enable_prefix_caching is None else enable_prefix_caching,
             hf_overrides=hf_overrides, device=device, gpu_memory_utilization=gpu_memory_utilization,
             enforce_eager=enforce_eager, tensor_parallel_size=tensor_parallel_size,
+            distributed_executor_backend=distributed_executor_backend, load_format=load_format,
             runner=runner, convert=convert, pooler_config=pooler_config,
             generation_config=generation_config, override_generation_config=override_generation_config,
             compilation_config=compilation_config,
@@ -108,6 +116,28 @@ class LLM(PoolingMixin):
         if self.llm_engine is not None:
             self.llm_engine.close()
             self.llm_engine = None
+
+    def save_sharded_state(self, path: str, pattern: str | None = None, max_size: int | None = None) -> None:
+        """Saves the model as per-rank files that ``load_format="sharded_state"`` loads back
+        at the same `tensor_parallel_size`, each rank reading only its own files.
+
+        Every rank writes ``model-rank-{rank}-part-{part}.safetensors`` (its parameters, already
+        sharded); the checkpoint's other files (config, tokenizer, generation config...) are
+        copied alongside, so ``path`` can be passed as `model`.
+
+        Args:
+            path: the output folder (created if needed).
+            pattern: file name with ``{rank}`` and ``{part}`` fields.
+            max_size: the largest file in bytes before a new part starts (None: one per rank).
+        """
+        from ferrollm.model_executor.sharded_state import copy_non_weight_files
+
+        engine = self._engine()
+        engine.check_alive()
+        engine.save_sharded_state(str(path), pattern, max_size)
+        source = engine.model_config.source
+        if source.folder is not None and not source.is_gguf:
+            copy_non_weight_files(source.folder, path)
 
     def __enter__(self) -> LLM:
         return self

@@ -17,18 +17,23 @@ from transformers import PretrainedConfig
 from ferrollm.exceptions import CheckpointError, UnsupportedModelError
 from ferrollm.model_executor.layers.cpu_gemm import onednn_enabled, pack_linear_weights
 from ferrollm.model_executor.registry import ModelRegistry
+from ferrollm.model_executor.weight_utils import LazyTensor
 
-__all__ = ["get_model", "gguf_to_hf_name", "iterate_safetensors", "load_gguf"]
+__all__ = ["build_model", "get_model", "gguf_to_hf_name", "iterate_safetensors", "load_gguf", "load_model"]
+
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "sharded_state")
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 
 
-def iterate_safetensors(folder: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+def iterate_safetensors(folder: str | Path, lazy: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """Yields every tensor of a safetensors checkpoint folder.
 
     Args:
         folder: holds ``model.safetensors``, or shards listed in ``model.safetensors.index.json``
             (any other ``*.safetensors`` files are read when there is neither).
+        lazy: yield :class:`LazyTensor` windows instead, read when a weight loader copies its
+            slice (a tensor-parallel rank then reads only what it keeps).
 
     Yields:
         ``(name, tensor)`` with the checkpoint's names and dtypes.
@@ -42,7 +47,11 @@ def iterate_safetensors(folder: str | Path) -> Iterator[tuple[str, torch.Tensor]
     for path in _safetensors_files(folder):
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                if lazy:
+                    handle = f.get_slice(name)
+                    yield name, LazyTensor(handle, tuple(handle.get_shape()))  # type: ignore[misc]
+                else:
+                    yield name, f.get_tensor(name)
 
 
 def _safetensors_files(folder: Path) -> list[Path]:
@@ -184,10 +193,54 @@ def get_model(
         UnsupportedModelError: for an architecture the registry does not know.
         CheckpointError: for tensors that do not match the model.
     """
+    model = build_model(config, dtype, device)
+    model.load_weights(weights)
+    return finish_loading(model, dtype, device)
+
+
+def build_model(config: PretrainedConfig, dtype: torch.dtype, device: torch.device | str = "cpu") -> nn.Module:
+    """The model ``config.architectures`` names, sharded for this rank, weights not loaded.
+
+    Raises:
+        UnsupportedModelError: for an architecture the registry does not know.
+    """
     model_cls = ModelRegistry.resolve(list(getattr(config, "architectures", None) or []))
     with torch.device(device):
-        model = model_cls(config, dtype)
-    model.load_weights(weights)
+        return model_cls(config, dtype)
+
+
+def finish_loading(model: nn.Module, dtype: torch.dtype, device: torch.device | str) -> nn.Module:
+    """Packs the loaded weights for oneDNN where that applies; returns the model in eval mode."""
     if onednn_enabled(torch.device(device), dtype):
         pack_linear_weights(model)
     return model.eval()
+
+
+def load_model(model_config, load_format: str, device: torch.device, rank: int = 0,
+               world_size: int = 1) -> nn.Module:
+    """Builds this rank's shard of the model and loads its weights.
+
+    Args:
+        model_config: a `ModelConfig`.
+        load_format: ``"auto"`` (the checkpoint's own format), ``"safetensors"``, ``"gguf"`` or
+            ``"sharded_state"`` (per-rank files written by ``LLM.save_sharded_state``).
+        device: where to build the model.
+        rank, world_size: this tensor-parallel rank and the TP size.
+
+    Raises:
+        CheckpointError: for missing, unexpected or mis-shaped tensors, or sharded files written
+            for another TP size.
+    """
+    from ferrollm.model_executor.sharded_state import load_rank_state
+
+    source, dtype = model_config.source, model_config.dtype
+    if load_format == "sharded_state":
+        model = build_model(model_config.hf_config, dtype, device)
+        load_rank_state(model, source.folder, rank, world_size)
+        return finish_loading(model, dtype, device)
+    if source.gguf_file is not None:
+        _, weights = load_gguf(source.gguf_file)
+    else:
+        # Under TP each rank reads only the slices its layers keep.
+        weights = iterate_safetensors(source.folder, lazy=world_size > 1)
+    return get_model(model_config.hf_config, dtype, weights, device=device)

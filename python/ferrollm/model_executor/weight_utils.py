@@ -1,5 +1,10 @@
 """Copying checkpoint tensors into parameters, with the checks that turn a mismatched checkpoint
-into a readable error instead of a silent broadcast or a torch shape error deep in a loader."""
+into a readable error instead of a silent broadcast or a torch shape error deep in a loader.
+
+Under tensor parallelism checkpoint tensors arrive as :class:`LazyTensor`: the weight loaders
+``narrow``/``split`` them as usual, and only this rank's window is read from the file when it
+is copied into the parameter.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +12,100 @@ import torch
 
 from ferrollm.exceptions import CheckpointError
 
-__all__ = ["check_shape", "copy_weight", "default_weight_loader"]
+__all__ = ["LazyTensor", "check_shape", "copy_weight", "default_weight_loader", "materialize"]
+
+
+class LazyTensor:
+    """A tensor of a safetensors file, not read yet.
+
+    ``narrow``, ``split``, ``chunk`` and ``t`` only move a window over the stored tensor; anything
+    else (and copying into a parameter) reads the window. Weight loaders written for real tensors
+    work unchanged, and a rank reads only the slices it keeps.
+
+    Args:
+        handle: ``safe_open(...).get_slice(name)``; indexing it with slices reads them.
+        shape: the stored shape.
+    """
+
+    def __init__(self, handle, shape: tuple[int, ...], perm: tuple[int, ...] | None = None,
+                 ranges: list[tuple[int, int]] | None = None):
+        self._handle = handle
+        self._perm = perm if perm is not None else tuple(range(len(shape)))
+        self._ranges = ranges if ranges is not None else [(0, n) for n in shape]
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size(self._ranges[d][1] - self._ranges[d][0] for d in self._perm)
+
+    @property
+    def ndim(self) -> int:
+        return len(self._perm)
+
+    def dim(self) -> int:
+        return len(self._perm)
+
+    def size(self, dim: int | None = None):
+        return self.shape if dim is None else self.shape[dim]
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def narrow(self, dim: int, start: int, length: int) -> LazyTensor:
+        dim %= self.ndim
+        if start < 0 or length < 0 or start + length > self.shape[dim]:
+            raise IndexError(f"narrow({dim}, {start}, {length}) outside a tensor of shape {tuple(self.shape)}")
+        stored = self._perm[dim]
+        ranges = list(self._ranges)
+        first = ranges[stored][0] + start
+        ranges[stored] = (first, first + length)
+        return LazyTensor(self._handle, (), self._perm, ranges)
+
+    def split(self, split_size, dim: int = 0) -> tuple[LazyTensor, ...]:
+        total = self.shape[dim]
+        sizes = list(split_size) if not isinstance(split_size, int) else \
+            [min(split_size, total - i) for i in range(0, total, split_size)]
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        return tuple(self.narrow(dim, start, n) for start, n in zip(starts, sizes))
+
+    def chunk(self, chunks: int, dim: int = 0) -> tuple[LazyTensor, ...]:
+        return self.split(-(-self.shape[dim] // chunks), dim)
+
+    def t(self) -> LazyTensor:
+        if self.ndim != 2:
+            return self.materialize().t()
+        return LazyTensor(self._handle, (), (self._perm[1], self._perm[0]), list(self._ranges))
+
+    def materialize(self) -> torch.Tensor:
+        """Reads the window from the file."""
+        data = self._handle[tuple(slice(a, b) for a, b in self._ranges)] if self._ranges else self._handle[...]
+        return data.permute(self._perm) if self._perm != tuple(sorted(self._perm)) else data
+
+    def __getattr__(self, name: str):
+        # Any other tensor method reads the window and applies to the real tensor.
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self.materialize(), name)
+
+    def __iter__(self):
+        return iter(self.materialize())
+
+    def __getitem__(self, index):
+        return self.materialize()[index]
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        def real(x):
+            return x.materialize() if isinstance(x, LazyTensor) else x
+
+        return func(*[real(a) for a in args], **{k: real(v) for k, v in (kwargs or {}).items()})
+
+    def __repr__(self) -> str:
+        return f"LazyTensor(shape={tuple(self.shape)})"
+
+
+def materialize(t: torch.Tensor | LazyTensor) -> torch.Tensor:
+    """``t`` as a real tensor (reads a :class:`LazyTensor`'s window)."""
+    return t.materialize() if isinstance(t, LazyTensor) else t
 
 
 def check_shape(expected: tuple[int, ...], src: torch.Tensor, what: str = "weight") -> None:
@@ -36,7 +134,7 @@ def copy_weight(dst: torch.Tensor, src: torch.Tensor, what: str = "weight") -> N
     """
     check_shape(dst.shape, src, what)
     with torch.no_grad():
-        dst.copy_(src)
+        dst.copy_(materialize(src))
 
 
 def default_weight_loader(param: torch.Tensor, loaded_weight: torch.Tensor) -> None:

@@ -1,6 +1,8 @@
 """The model runner: turns one step's arrays from the core into tensors, runs the model, samples,
 and returns one token per scheduled request. One runner per tensor-parallel rank; only rank 0
-samples.
+(the driver) samples. The other ranks run the same steps and join every collective the driver
+makes, the LM head's logits gathers included (sampled rows and prompt-logprob rows), then stop
+short of sampling.
 
 The step arrays are wrapped with `torch.from_numpy` (no copies). Per-request Python state lives
 in `CachedRequestState`, keyed by the core's request index, created from the step's new-request
@@ -12,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ferrollm._core import SchedulerOutput
+from ferrollm._core import SamplingOptions, SchedulerOutput
 from ferrollm.attention.backend import AttentionMetadata
 from ferrollm.model_executor.sampler import Sampler, compute_prompt_logprobs
 from ferrollm.model_executor.sampling_metadata import SamplingMetadata
@@ -32,6 +34,8 @@ class ModelRunner:
         block_size: tokens per KV block.
         device: where the model runs.
         cuda_graphs: replays captured decode steps (CUDA only); None runs every step eagerly.
+        is_driver: rank 0, which samples; other ranks only take part in the collectives and
+            know a request's parameters from the core's new-request data.
     """
 
     def __init__(
@@ -43,8 +47,10 @@ class ModelRunner:
         vocab_size: int,
         eos_token_ids: list[int],
         cuda_graphs: CudaGraphRunner | None = None,
+        is_driver: bool = True,
     ):
         self.model = model
+        self.is_driver = is_driver
         self.vocab_size = vocab_size
         self.eos_token_ids = list(eos_token_ids)
         self.kv_caches = kv_caches
@@ -70,7 +76,7 @@ class ModelRunner:
             if state is not None:
                 self._index_of.pop(state.request_id, None)
         for new in step.scheduled_new_reqs:
-            params = self._incoming.pop(new.request_id)
+            params = self._incoming.pop(new.request_id) if self.is_driver else _worker_params(new.sampling)
             state = CachedRequestState.create(new.request_id, params, new.prompt_token_ids, self.device)
             self.requests[new.req_index] = state
             self._index_of[new.request_id] = new.req_index
@@ -104,6 +110,8 @@ class ModelRunner:
             return sampled
         logits_indices = torch.from_numpy(step.logits_indices[rows]).to(self.device)
         logits = self.model.compute_logits(hidden[logits_indices])
+        if not self.is_driver:
+            return sampled
         sampling_states = [states[r] for r in rows]
         out = self.sampler(logits, self._sampling_metadata(step, rows, sampling_states))
         sampled[rows] = out.sampled_token_ids.cpu().numpy()
@@ -167,7 +175,16 @@ class ModelRunner:
             if end <= start:
                 continue
             rows = hidden[int(qsl[row]) : int(qsl[row]) + (end - start)]
+            logits = self.model.compute_logits(rows)
+            if not self.is_driver:
+                continue
             targets = torch.tensor(state.prompt_token_ids[start + 1 : end + 1], device=self.device)
-            ids, lps, ranks = compute_prompt_logprobs(self.model.compute_logits(rows), targets, k)
+            ids, lps, ranks = compute_prompt_logprobs(logits, targets, k)
             ids, lps, ranks = ids.cpu().numpy(), lps.cpu().numpy(), ranks.cpu().numpy()
             state.prompt_logprobs.extend((ids[i], lps[i], int(ranks[i])) for i in range(end - start))
+
+
+def _worker_params(options: SamplingOptions) -> SamplingParams:
+    # A worker rank only needs to know which rows the driver computes logits for: its sampled
+    # rows (from the step's arrays) and, for requests that asked, their prompt rows.
+    return SamplingParams(prompt_logprobs=None if options.prompt_logprobs is None else -1)

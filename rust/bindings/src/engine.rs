@@ -11,7 +11,8 @@ use numpy::PyReadonlyArray1;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use crate::errors::PyCoreResult;
+use crate::broadcast::{PyStepBroadcaster, SharedBroadcaster};
+use crate::errors::{PyCoreError, PyCoreResult};
 use crate::outputs::{request_output, scheduler_output, PyRequestOutput, PySchedulerOutput};
 use crate::sampling::PySamplingOptions;
 use crate::tokenizer::PyTokenizer;
@@ -26,6 +27,8 @@ pub enum Prompt {
 #[pyclass(name = "EngineCore", module = "ferrollm._core", frozen)]
 pub struct PyEngineCore {
     core: Mutex<EngineCore>,
+    /// Set on rank 0 of a tensor-parallel engine: every step is published to the other ranks.
+    broadcaster: Mutex<Option<SharedBroadcaster>>,
 }
 
 impl PyEngineCore {
@@ -77,7 +80,7 @@ impl PyEngineCore {
             },
         };
         let core = py.detach(|| EngineCore::new(cfg, tok)).map_err(crate::errors::PyCoreError)?;
-        Ok(Self { core: Mutex::new(core) })
+        Ok(Self { core: Mutex::new(core), broadcaster: Mutex::new(None) })
     }
 
     /// Adds requests atomically; text prompts are tokenized in parallel with the GIL released.
@@ -117,10 +120,23 @@ impl PyEngineCore {
         Ok(())
     }
 
-    /// Schedules the next step; its arrays are numpy arrays owning the core's buffers.
+    /// Schedules the next step; its arrays are numpy arrays owning the core's buffers. With a
+    /// step broadcaster attached, the step is first published to the other ranks.
     fn schedule(&self, py: Python<'_>) -> PyResult<PySchedulerOutput> {
-        let out = py.detach(|| self.lock().schedule());
-        scheduler_output(py, out)
+        let broadcaster = self.broadcaster.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        let out = py.detach(|| {
+            let out = self.lock().schedule();
+            match &broadcaster {
+                Some(b) => b.publish_step(&out).map(|()| out),
+                None => Ok(out),
+            }
+        });
+        scheduler_output(py, out.map_err(PyCoreError)?)
+    }
+
+    /// Attaches (or, with None, detaches) the channel every later step is published on.
+    fn set_step_broadcaster(&self, broadcaster: Option<PyRef<'_, PyStepBroadcaster>>) {
+        *self.broadcaster.lock().unwrap_or_else(|p| p.into_inner()) = broadcaster.map(|b| b.shared.clone());
     }
 
     /// Applies one sampled token per scheduled request (int array in step order).

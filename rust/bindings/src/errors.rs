@@ -29,6 +29,7 @@ fn class_name(e: &CoreError) -> &'static str {
         CoreError::Tokenizer(_) => "TokenizerError",
         CoreError::StepMismatch { .. } => "StepMismatchError",
         CoreError::Runner(_) => "EngineError",
+        CoreError::StepChannel(_) => "StepChannelError",
         CoreError::EngineClosed => "EngineClosedError",
     }
 }

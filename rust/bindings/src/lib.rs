@@ -2,6 +2,7 @@
 //! released around every call that does work. `python/ferrollm/_core.pyi` is this module's
 //! contract and `make test` checks the two agree (mypy.stubtest).
 
+mod broadcast;
 mod engine;
 mod errors;
 mod outputs;
@@ -18,6 +19,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<outputs::PySchedulerOutput>()?;
     m.add_class::<outputs::PyNewRequestData>()?;
     m.add_class::<outputs::PyRequestOutput>()?;
+    m.add_class::<broadcast::PyStepBroadcaster>()?;
+    m.add_class::<broadcast::PyStepReceiver>()?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

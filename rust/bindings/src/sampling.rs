@@ -75,6 +75,18 @@ impl PySamplingOptions {
         self.0.stop_token_ids.clone()
     }
 
+    #[getter]
+    fn logprobs(&self) -> Option<u32> {
+        self.0.logprobs
+    }
+
+    /// Set when the request asked for prompt logprobs: every rank then takes part in computing
+    /// the prompt rows' logits.
+    #[getter]
+    fn prompt_logprobs(&self) -> Option<u32> {
+        self.0.prompt_logprobs
+    }
+
     fn __repr__(&self) -> String {
         format!("{:?}", self.0)
     }

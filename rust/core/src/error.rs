@@ -45,6 +45,10 @@ pub enum CoreError {
     /// The model runner failed while executing a step.
     #[error("model runner failed: {0}")]
     Runner(String),
+    /// The shared-memory step channel between tensor-parallel ranks failed, timed out or was
+    /// aborted.
+    #[error("step channel: {0}")]
+    StepChannel(String),
     /// The engine has been shut down.
     #[error("the engine is shut down")]
     EngineClosed,

@@ -5,6 +5,7 @@
 //! [`engine::AsyncEngine`] (a tokio step loop with per-request output streams), and the
 //! `ferrollm._core` Python module is a thin binding over the same handle.
 
+pub mod broadcast;
 pub mod config;
 pub mod engine;
 pub mod error;

@@ -1,0 +1,6 @@
+"""Executors run the model on every tensor-parallel rank: `MultiprocExecutor` spawns one
+`WorkerProc` per rank beyond the first, and rank 0 runs in the caller's process."""
+
+from ferrollm.executor.multiproc_executor import MultiprocExecutor
+
+__all__ = ["MultiprocExecutor"]

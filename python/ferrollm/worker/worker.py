@@ -1,0 +1,113 @@
+"""`Worker`: one tensor-parallel rank's model, KV cache and runner.
+
+Rank 0's worker lives in the caller's process; the others in spawned `WorkerProc`s
+(executor/multiproc_executor.py). Every rank goes through the same verbs, called by
+`collective_rpc`: ``load_model`` (returns how many KV blocks this rank can hold),
+``init_kv_cache`` (with the number every rank agreed on, the minimum), ``execute_model`` per step,
+``save_sharded_state``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ferrollm._core import SchedulerOutput
+from ferrollm.attention.backend import allocate_kv_cache
+from ferrollm.config.model_config import ModelConfig
+from ferrollm.engine.kv_memory import bytes_per_block, cpu_kv_cache_bytes, num_kv_blocks
+from ferrollm.exceptions import EngineError
+from ferrollm.worker.model_runner import ModelRunner
+
+
+@dataclass
+class CacheOptions:
+    """The engine options that size the KV cache (the same on every rank)."""
+
+    block_size: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    gpu_memory_utilization: float
+    load_format: str = "auto"
+
+
+class Worker:
+    """One rank: loads its shards of the model, holds its KV cache and runs its runner.
+
+    Args:
+        model_config: the model to run (the same on every rank).
+        options: KV cache sizing and the checkpoint's load format.
+        rank: this rank.
+        world_size: ``tensor_parallel_size``.
+        device: this rank's device.
+    """
+
+    def __init__(self, model_config: ModelConfig, options: CacheOptions, rank: int, world_size: int,
+                 device: torch.device):
+        self.model_config = model_config
+        self.options = options
+        self.rank = rank
+        self.world_size = world_size
+        self.device = device
+        self.model: torch.nn.Module | None = None
+        self.runner: ModelRunner | None = None
+
+    def load_model(self) -> int:
+        """Loads this rank's shards; returns how many KV blocks this rank's memory holds."""
+        from ferrollm.model_executor.loader import load_model
+
+        self.model = load_model(self.model_config, self.options.load_format, self.device,
+                                self.rank, self.world_size)
+        return self.num_kv_blocks()
+
+    def sliding_window(self) -> int | None:
+        """The window when every layer slides with one (the core frees blocks behind it)."""
+        model = self._model()
+        return model.sliding_window_spec() if hasattr(model, "sliding_window_spec") else None
+
+    def num_kv_blocks(self) -> int:
+        """KV blocks that fit in this rank's budget: ``FERROLLM_CPU_KVCACHE_SPACE`` on the CPU,
+        `gpu_memory_utilization` of the device minus what is in use on a GPU."""
+        opts, mc = self.options, self.model_config
+        num_layers, num_kv_heads, head_dim = self._model().kv_cache_spec()
+        dtype_size = torch.tensor([], dtype=mc.dtype).element_size()
+        block_bytes = bytes_per_block(num_layers, num_kv_heads, head_dim, opts.block_size, dtype_size)
+        if self.device.type == "cpu":
+            budget = cpu_kv_cache_bytes()
+        else:
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = max(0, int(total * opts.gpu_memory_utilization) - (total - free))
+        # When every layer slides, the core frees blocks behind the window: a sequence then holds
+        # at most the window plus one step's chunk, whatever its length.
+        window = self.sliding_window()
+        batched = opts.max_num_batched_tokens
+        seq_tokens = mc.max_model_len if window is None else min(mc.max_model_len, window + batched + 2 * opts.block_size)
+        return num_kv_blocks(budget, block_bytes, opts.block_size, seq_tokens, opts.max_num_seqs)
+
+    def init_kv_cache(self, num_blocks: int, eos_token_ids: list[int]) -> None:
+        """Allocates ``num_blocks`` KV blocks (the ranks' agreed number) and builds the runner."""
+        mc, model = self.model_config, self._model()
+        num_layers, num_kv_heads, head_dim = model.kv_cache_spec()
+        kv_caches = allocate_kv_cache(num_layers, num_blocks, self.options.block_size, num_kv_heads, head_dim,
+                                      mc.dtype, self.device)
+        self.runner = ModelRunner(model, kv_caches, self.options.block_size, self.device,
+                                  vocab_size=int(mc.hf_config.vocab_size), eos_token_ids=eos_token_ids,
+                                  is_driver=self.rank == 0)
+
+    def execute_model(self, step: SchedulerOutput) -> np.ndarray:
+        if self.runner is None:
+            raise EngineError("execute_model before init_kv_cache")
+        return self.runner.execute_model(step)
+
+    def save_sharded_state(self, path: str, pattern: str | None, max_size: int | None) -> list[str]:
+        """Writes this rank's parameters; returns the files written."""
+        from ferrollm.model_executor.sharded_state import save_rank_state
+
+        return save_rank_state(self._model(), path, self.rank, pattern, max_size)
+
+    def _model(self) -> torch.nn.Module:
+        if self.model is None:
+            raise EngineError("the model is not loaded yet")
+        return self.model
