@@ -45,7 +45,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     """`x @ weight.T + bias`, through the packed weight when there is one."""
     if packed is None or x.dim() != 2 or x.shape[0] == 0 or x.dtype != torch.float32:
         return F.linear(x, weight, bias)
-    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed.weight, packed.bias, "none", [], "")
+    # One row is a matrix-vector product, bound by reading the weight: oneDNN streams the plain
+    # row-major weight ~15% faster than its blocked layout (25 vs 22 GB/s for the [9728, 896]
+    # gate/up, 29 vs 26 GB/s for the LM head, cold caches). From two rows on, blocked wins.
+    weight = weight if x.shape[0] == 1 else packed.weight
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, packed.bias, "none", [], "")
 
 
 def pack_linear_weights(model: nn.Module) -> int:
