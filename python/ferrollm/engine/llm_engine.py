@@ -27,7 +27,7 @@ from ferrollm.engine.tokenizer_loader import Tokenizers, load_tokenizers
 from ferrollm.exceptions import ConfigError, EngineError
 from ferrollm.pooling_params import PoolingParams
 from ferrollm.sampling_params import SamplingParams
-from ferrollm.executor import MultiprocExecutor
+from ferrollm.executor import ExternalLauncherExecutor, MultiprocExecutor
 from ferrollm.executor.launch import check_not_bootstrapping, check_tp_shapes
 from ferrollm.worker.model_runner import ModelRunner
 from ferrollm.worker.pooling_runner import PoolingModelRunner
@@ -70,10 +70,11 @@ class EngineArgs:
         self.compilation_config = CompilationConfig.from_value(self.compilation_config)
         if not isinstance(self.tensor_parallel_size, int) or not 1 <= self.tensor_parallel_size <= MAX_TP_SIZE:
             raise ConfigError(f"`tensor_parallel_size` must be an int >= 1 and <= {MAX_TP_SIZE}. Given: {self.tensor_parallel_size!r}")
-        if self.distributed_executor_backend not in (None, "mp"):
+        if self.distributed_executor_backend not in (None, "mp", "external_launcher"):
             raise ConfigError(
-                "`distributed_executor_backend` must be 'mp' or None (ferrollm runs tensor-parallel ranks as "
-                f"processes on this machine; Ray is not supported). Given: {self.distributed_executor_backend!r}")
+                "`distributed_executor_backend` must be 'mp', 'external_launcher' or None (ferrollm spawns "
+                "tensor-parallel ranks on this machine, or joins ranks torchrun started; Ray is not "
+                f"supported). Given: {self.distributed_executor_backend!r}")
         from ferrollm.model_executor.loader import LOAD_FORMATS
 
         if self.load_format not in LOAD_FORMATS:
@@ -99,7 +100,7 @@ class LLMEngine:
 
     def __init__(self, args: EngineArgs, model_config: ModelConfig, tokenizers: Tokenizers,
                  core: EngineCore, runner: ModelRunner | PoolingModelRunner,
-                 executor: MultiprocExecutor | None = None):
+                 executor: MultiprocExecutor | ExternalLauncherExecutor | None = None):
         self.args = args
         self.executor = executor
         # Wall time every rank took to load its weights (the slowest rank's).
@@ -117,7 +118,7 @@ class LLMEngine:
     @classmethod
     def from_args(cls, args: EngineArgs) -> LLMEngine:
         args.validate()
-        if args.tensor_parallel_size > 1:
+        if args.tensor_parallel_size > 1 and args.distributed_executor_backend != "external_launcher":
             check_not_bootstrapping()
         if args.seed is not None:
             torch.manual_seed(args.seed)
@@ -148,9 +149,13 @@ class LLMEngine:
         options = CacheOptions(block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                                max_num_batched_tokens=_batched_tokens(args),
                                gpu_memory_utilization=args.gpu_memory_utilization, load_format=args.load_format)
-        executor = None
+        executor: MultiprocExecutor | ExternalLauncherExecutor | None = None
         if args.tensor_parallel_size > 1:
             check_tp_shapes(mc.hf_config, args.tensor_parallel_size)
+        if args.distributed_executor_backend == "external_launcher":
+            executor = ExternalLauncherExecutor(mc, options, device, args.tensor_parallel_size)
+            driver, run = executor.driver_worker, executor.collective_rpc
+        elif args.tensor_parallel_size > 1:
             executor = MultiprocExecutor(mc, options, device, args.tensor_parallel_size)
             driver, run = executor.driver_worker, executor.collective_rpc
         else:
@@ -168,7 +173,7 @@ class LLMEngine:
             if executor is not None:
                 executor.shutdown(graceful=False)
             raise
-        if executor is not None:
+        if isinstance(executor, MultiprocExecutor):
             core.set_step_broadcaster(executor.broadcaster)
         assert driver.runner is not None
         engine = cls(args, mc, tokenizers, core, driver.runner, executor)
@@ -224,10 +229,12 @@ class LLMEngine:
             WorkerError: a tensor-parallel worker raised or died (its traceback included); the
                 engine is dead afterwards (`EngineDeadError` on later calls).
         """
-        if self.executor is None:
+        if not isinstance(self.executor, MultiprocExecutor):
             step = self.core.schedule()
             try:
                 sampled = self.runner.execute_model(step)
+                if self.executor is not None:  # external launcher: every core takes rank 0's draw
+                    sampled = self.executor.sync_sampled(sampled)
             except BaseException:
                 self.abort_all()
                 raise

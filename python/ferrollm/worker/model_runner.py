@@ -86,7 +86,10 @@ class ModelRunner:
         (its logprobs); None if it never reached the runner."""
         self._incoming.pop(request_id, None)
         idx = self._index_of.pop(request_id, None)
-        return None if idx is None else self.requests.pop(idx, None)
+        state = None if idx is None else self.requests.pop(idx, None)
+        # Only the driver's logits are whole (the LM head gathers to rank 0): another rank's
+        # outputs (external launcher) carry no logprobs rather than wrong ones.
+        return state if self.is_driver else None
 
     @torch.inference_mode()
     def execute_model(self, step: SchedulerOutput) -> np.ndarray:
