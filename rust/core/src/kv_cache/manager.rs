@@ -206,7 +206,7 @@ impl KVCacheManager {
         // Oldest last, so the pool evicts the oldest of them last.
         let freed: Vec<BlockId> = table[start..end].iter().rev().copied().collect();
         table[start..end].fill(NULL_BLOCK);
-        self.pool.free_blocks(freed.into_iter());
+        self.pool.free_blocks(freed);
         self.num_skipped[idx] = end;
     }
 
