@@ -7,6 +7,7 @@ them against transformers' forward pass over the same sequence.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -238,3 +239,30 @@ def hf_greedy(hf_model, prompt: list[int], max_tokens: int) -> tuple[list[int], 
     assert len(tokens) == max_tokens
     logits = hf_model(out).logits[0, len(prompt) - 1 : -1].float()
     return tokens, logits
+
+
+def check_scenario(model, scenario: str, reference: Callable[[list[int]], tuple[list[int], torch.Tensor]],
+                   max_tokens: int, label: str = "") -> None:
+    """Runs `SCENARIOS[scenario]`'s eight prompts through the core and `model`, and checks them.
+
+    Each request's greedy tokens must equal `reference(prompt)`'s, its per-step logits must be
+    within 1e-4 and its top-5 log-probabilities within 1e-3; and the scenario must really have
+    happened (prefix hits, chunked steps, preemptions).
+    """
+    spec = SCENARIOS[scenario]
+    prompts = make_prompts(8, seed=1, vocab=TINY["vocab_size"], **spec["prompts"])
+    run = run_engine(model, prompts, max_tokens, **spec["engine"])
+    for i, prompt in enumerate(prompts):
+        ref_tokens, ref_logits = reference(prompt)
+        assert run.tokens[str(i)] == ref_tokens, f"{label}: request {i} (prompt length {len(prompt)})"
+        logits = torch.stack(run.logits[str(i)])
+        torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=0)
+        ref_logprobs, top5 = ref_logits.log_softmax(-1), ref_logits.topk(5).indices
+        torch.testing.assert_close(logits.log_softmax(-1).gather(-1, top5),
+                                   ref_logprobs.gather(-1, top5), atol=1e-3, rtol=0)
+    if scenario == "prefix_caching":
+        assert run.stats["prefix_cache_hit_tokens"] >= 7 * 32
+    if scenario == "chunked_prefill":
+        assert run.num_chunked_steps > 0
+    if scenario == "preemption":
+        assert run.stats["num_preemptions"] > 0

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import transformers
-from helpers.engine_driver import SCENARIOS, TINY, build_checkpoint, hf_greedy, load_ferrollm_model, make_prompts, run_engine
+from helpers.engine_driver import SCENARIOS, TINY, build_checkpoint, check_scenario, hf_greedy, load_ferrollm_model
 from transformers.activations import ACT2FN
 from transformers.models.gemma import modeling_gemma
 
@@ -25,7 +25,6 @@ from ferrollm.model_executor.models.utils import layer_sliding_window
 torch.set_num_threads(1)
 
 MAX_TOKENS = 8
-VOCAB = TINY["vocab_size"]
 
 # CONFIGS kind -> (architecture, sliding_window_spec(): the window iff every layer slides).
 ARCHS = {
@@ -60,19 +59,7 @@ def checkpoint(request, tmp_path_factory):
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
 def test_greedy_tokens_and_logits_match_transformers(checkpoint, scenario):
     kind, model, reference = checkpoint
-    spec = SCENARIOS[scenario]
-    prompts = make_prompts(8, seed=1, vocab=VOCAB, **spec["prompts"])
-    run = run_engine(model, prompts, MAX_TOKENS, **spec["engine"])
-
-    for i, prompt in enumerate(prompts):
-        ref_tokens, ref_logits = reference(prompt)
-        assert run.tokens[str(i)] == ref_tokens, f"{kind}: request {i} (prompt length {len(prompt)})"
-        torch.testing.assert_close(torch.stack(run.logits[str(i)]), ref_logits, atol=1e-4, rtol=0)
-
-    if scenario == "prefix_caching":
-        assert run.stats["prefix_cache_hit_tokens"] >= 7 * 32
-    if scenario == "chunked_prefill":
-        assert run.num_chunked_steps > 0
+    check_scenario(model, scenario, reference, MAX_TOKENS, label=kind)
 
 
 def test_architecture_and_sliding_window_spec(checkpoint):

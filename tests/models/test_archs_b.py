@@ -21,6 +21,7 @@ from helpers.engine_driver import (
     SCENARIOS,
     TINY,
     build_checkpoint,
+    check_scenario,
     hf_greedy,
     load_ferrollm_model,
     make_prompts,
@@ -60,26 +61,9 @@ def checkpoint(request, tmp_path_factory):
 
 @pytest.mark.parametrize("scenario", sorted(SCENARIOS))
 def test_greedy_tokens_and_logits_match_transformers(checkpoint, scenario):
-    _, hf_model, model = checkpoint
-    spec = SCENARIOS[scenario]
-    prompts = make_prompts(8, seed=1, vocab=VOCAB, **spec["prompts"])
-    run = run_engine(model, prompts, MAX_TOKENS, **spec["engine"])
-
-    for i, prompt in enumerate(prompts):
-        ref_tokens, ref_logits = hf_greedy(hf_model, prompt, MAX_TOKENS)
-        assert run.tokens[str(i)] == ref_tokens, f"request {i} (prompt length {len(prompt)})"
-        logits = torch.stack(run.logits[str(i)])
-        torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=0)
-        ref_logprobs, top5 = ref_logits.log_softmax(-1), ref_logits.topk(5).indices
-        torch.testing.assert_close(logits.log_softmax(-1).gather(-1, top5),
-                                   ref_logprobs.gather(-1, top5), atol=1e-3, rtol=0)
-
-    if scenario == "prefix_caching":
-        assert run.stats["prefix_cache_hit_tokens"] >= 7 * 32
-    if scenario == "chunked_prefill":
-        assert run.num_chunked_steps > 0
-    if scenario == "preemption":
-        assert run.stats["num_preemptions"] > 0
+    folder, hf_model, model = checkpoint
+    check_scenario(model, scenario, lambda prompt: hf_greedy(hf_model, prompt, MAX_TOKENS), MAX_TOKENS,
+                   label=folder.name)
 
 
 def test_two_ranks_match_one(tmp_path):

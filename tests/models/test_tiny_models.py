@@ -6,7 +6,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers.engine_driver import SCENARIOS, TINY, build_checkpoint, hf_greedy, load_ferrollm_model, make_prompts, run_engine
+from helpers.engine_driver import (
+    SCENARIOS,
+    TINY,
+    build_checkpoint,
+    check_scenario,
+    hf_greedy,
+    load_ferrollm_model,
+    make_prompts,
+    run_engine,
+)
 
 torch.set_num_threads(2)
 
@@ -25,23 +34,9 @@ def checkpoint(request, tmp_path_factory):
 
 @pytest.mark.parametrize("scenario", sorted(SCENARIOS))
 def test_greedy_tokens_and_logits_match_transformers(checkpoint, scenario):
-    _, hf_model, model = checkpoint
-    spec = SCENARIOS[scenario]
-    prompts = make_prompts(8, seed=1, vocab=VOCAB, **spec["prompts"])
-    run = run_engine(model, prompts, MAX_TOKENS, **spec["engine"])
-
-    for i, prompt in enumerate(prompts):
-        ref_tokens, ref_logits = hf_greedy(hf_model, prompt, MAX_TOKENS)
-        assert run.tokens[str(i)] == ref_tokens, f"request {i} (prompt length {len(prompt)})"
-        logits = torch.stack(run.logits[str(i)])
-        torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=0)
-
-    if scenario == "prefix_caching":
-        assert run.stats["prefix_cache_hit_tokens"] >= 7 * 32
-    if scenario == "chunked_prefill":
-        assert run.num_chunked_steps > 0
-    if scenario == "preemption":
-        assert run.stats["num_preemptions"] > 0
+    kind, hf_model, model = checkpoint
+    check_scenario(model, scenario, lambda prompt: hf_greedy(hf_model, prompt, MAX_TOKENS), MAX_TOKENS,
+                   label=kind)
 
 
 def test_bfloat16_model_runs_close_to_float32(tmp_path):
