@@ -64,12 +64,13 @@ class ExternalLauncherExecutor:
         self.driver_worker = Worker(model_config, options, rank, world_size, device)
 
     def collective_rpc(self, method: str, *args: Any) -> list[Any]:
-        """Runs ``method`` on this rank's worker. Every rank calls it (same script), so the
-        KV block count from ``load_model`` is agreed here: the smallest any rank can hold."""
-        result = getattr(self.driver_worker, method)(*args)
-        if method == "load_model":
-            result = self._min_over_ranks(int(result))
-        return [result]
+        """Runs ``method`` on this rank's worker and returns every rank's result, in rank order,
+        as `MultiprocExecutor` does. Every rank runs the same script, so every rank calls it."""
+        import torch.distributed as dist
+
+        results: list[Any] = [None] * self.world_size
+        dist.all_gather_object(results, getattr(self.driver_worker, method)(*args))
+        return results
 
     def sync_sampled(self, sampled: np.ndarray) -> np.ndarray:
         """Rank 0's sampled ids on every rank (the other ranks' runners do not sample)."""
@@ -91,13 +92,6 @@ class ExternalLauncherExecutor:
                 dist.barrier()
             dist.destroy_process_group()
         self._owns_group = False
-
-    def _min_over_ranks(self, value: int) -> int:
-        import torch.distributed as dist
-
-        t = torch.tensor([value], dtype=torch.int64, device=self._comm_device)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN)
-        return int(t.item())
 
     @property
     def _comm_device(self) -> torch.device:
