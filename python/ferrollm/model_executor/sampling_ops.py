@@ -152,8 +152,9 @@ def _inverse_cdf_sample(probs: torch.Tensor, generators: dict[int, torch.Generat
     On the CPU, drawing V exponentials is the cost: 117 ms for 32 rows of a 151936-word
     vocabulary on the 2-core development machine. A float64 cumulative sum over the whole row
     still took ~35 ms per step, so the search runs in two levels: the masses of blocks of
-    `_CDF_BLOCK` tokens (one float64 sum pass), a search among the blocks, then a cumulative sum
-    inside the one chosen block per row. Float64 keeps tail tokens' mass. A seeded row draws its
+    `_CDF_BLOCK` tokens (one float32 sum pass), a float64 cumulative sum and search over the
+    blocks, then a float64 cumulative sum inside the one chosen block per row, so tail tokens
+    keep their mass. A seeded row draws its
     one number from its own generator, so its tokens still do not depend on the batch.
     """
     rows, vocab = probs.shape
@@ -167,10 +168,11 @@ def _inverse_cdf_sample(probs: torch.Tensor, generators: dict[int, torch.Generat
     target = u * block_cdf[:, -1:]
     block = _first_above(block_cdf, target)
     before = torch.where(block > 0, block_cdf.gather(1, (block - 1).clamp(min=0)), 0.0)
-    cols = block * _CDF_BLOCK + torch.arange(_CDF_BLOCK)
+    first = block * _CDF_BLOCK
+    cols = first + torch.arange(_CDF_BLOCK)
     inner = probs.gather(1, cols.clamp(max=vocab - 1)).masked_fill_(cols >= vocab, 0.0)
     offset = _first_above(inner.double().cumsum(dim=-1), target - before)
-    return (block * _CDF_BLOCK + offset).squeeze(1)
+    return (first + offset).squeeze(1)
 
 
 # Tokens per block of the two-level search: one inner cumulative sum is this long.

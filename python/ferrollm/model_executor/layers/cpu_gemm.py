@@ -11,8 +11,8 @@ The call is `mkldnn::_linear_pointwise` (what inductor's CPU freezing pass emits
 activations in and out, so no `to_mkldnn`/`to_dense` copies per call (those were ~15% of a
 profiled 32×128 run), and the weight packed by `mkldnn::_reorder_linear_weight`.
 
-The packed copy sits beside the dense weight, which stays for embeddings tied to the LM head,
-checkpoint saving and tensor-parallel loading.
+The packed copy sits beside the dense weight, which stays for one-row (batch-1) products (see
+`linear`), embeddings tied to the LM head, checkpoint saving and tensor-parallel loading.
 """
 
 from __future__ import annotations
