@@ -28,8 +28,16 @@ __all__ = ["PackedWeight", "linear", "onednn_enabled", "pack_linear_weights"]
 
 def onednn_enabled(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether layers on `device` in `dtype` should use packed oneDNN weights."""
-    return (device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
-            and os.environ.get("FERROLLM_CPU_ONEDNN", "1") != "0")
+    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    if os.environ.get("FERROLLM_CPU_ONEDNN", "1") == "0":
+        return False
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and cpu_runs_bf16())
+
+
+def cpu_runs_bf16() -> bool:
+    """Whether oneDNN has native bf16 instructions here (AVX512-BF16 or AMX), not an emulation."""
+    return torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 class PackedWeight:
@@ -37,13 +45,13 @@ class PackedWeight:
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())
-        self.bias = None if bias is None else bias.detach().float().contiguous()
+        self.bias = None if bias is None else bias.detach().contiguous()
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
            packed: PackedWeight | None) -> torch.Tensor:
     """`x @ weight.T + bias`, through the packed weight when there is one."""
-    if packed is None or x.dim() != 2 or x.shape[0] == 0 or x.dtype != torch.float32:
+    if packed is None or x.dim() != 2 or x.shape[0] == 0 or x.dtype != weight.dtype:
         return F.linear(x, weight, bias)
     # One row is a matrix-vector product, bound by reading the weight: oneDNN streams the plain
     # row-major weight ~15% faster than its blocked layout (25 vs 22 GB/s for the [9728, 896]
