@@ -1,5 +1,6 @@
 """Formats side_by_side.py's figures as a table: each engine's figure with the fraction of the
-roofline it reaches, then ferrollm's figure divided by each peer's."""
+roofline it reaches, then ferrollm's figure divided by each peer's. The bounds are those of the
+run's dtype (a report without one is float32); llama.cpp's are those of the GGUF it read."""
 
 from __future__ import annotations
 
@@ -15,12 +16,28 @@ ROWS = [
 ]
 
 
-def _bound(report: dict, engine: str, key: str | None) -> float | None:
+# Run dtype -> (key of its bounds in the roofline, short name, key of its matmul peak).
+DTYPES = {"float32": ("fp32", "fp32", "matmul_flops"), "bfloat16": ("bf16", "bf16", "matmul_flops_bf16")}
+
+
+def _dtype(report: dict) -> str:
+    return report.get("dtype", "float32")
+
+
+def _bounds(report: dict, engine: str) -> dict | None:
     roof = report.get("roofline")
-    if key is None or roof is None:
+    if roof is None:
         return None
-    # llama.cpp reads the GGUF as stored (possibly quantized); the others compute in fp32.
-    return roof["stored" if engine == "llamacpp" else "fp32"][key]
+    if engine == "llamacpp":
+        # llama.cpp reads its GGUF as stored (possibly quantized, or the BF16 conversion); reports
+        # from before --dtype sized that as "stored".
+        return roof.get("llamacpp", roof["stored"])
+    return roof[DTYPES[_dtype(report)][0]]
+
+
+def _bound(report: dict, engine: str, key: str | None) -> float | None:
+    bounds = _bounds(report, engine)
+    return None if key is None or bounds is None else bounds[key]
 
 
 def _cell(report: dict, engine: str, workload: str, key: str, bound_key: str | None) -> str:
@@ -40,22 +57,36 @@ def _ratio(report: dict, peer: str, workload: str, key: str) -> str:
     return f"{ours / theirs:.2f}x" if ours and theirs else "-"
 
 
+def _differ(a: dict, b: dict, key: str) -> bool:
+    """More than 1% apart: a GGUF's f32 norms alone do not earn llama.cpp its own bound line."""
+    return abs(a[key] - b[key]) > 0.01 * b[key]
+
+
 def _machine_lines(report: dict) -> list[str]:
     roof = report.get("roofline")
     if roof is None:
         return ["roofline: not measured"]
+    bound_key, short, _ = DTYPES[_dtype(report)]
     bw = roof["bandwidth"]["read_bytes_per_s"] / 1e9
-    flops = roof["matmul_flops"]["peak"] / 1e9
+    peaks = ", ".join(f"{DTYPES[d][1]} {roof[DTYPES[d][2]]['peak'] / 1e9:.0f}" for d in DTYPES if DTYPES[d][2] in roof)
     m = roof["model"]
-    quantized = m["weight_bytes_stored"] != m["weight_bytes_fp32"]
-    stored = f", {m['weight_bytes_stored'] / 1e9:.2f} GB as stored" if quantized else ""
-    stored_bound = (f"; {roof['stored']['batch1_tokens_per_s']:.1f} for llama.cpp's stored weights"
-                    if quantized else "")
+    weights = f"{m['weight_bytes_fp32'] / 1e9:.2f} GB fp32"
+    if short != "fp32":
+        weights += f", {m[f'weight_bytes_{short}'] / 1e9:.2f} GB {short}"
+    if m["weight_bytes_stored"] != m["weight_bytes_fp32"]:
+        weights += f", {m['weight_bytes_stored'] / 1e9:.2f} GB as stored"
+    ours, theirs = roof[bound_key], _bounds(report, "llamacpp")
+    llamacpp = ""
+    if "llamacpp" in report["engines"] and _differ(theirs, ours, "batch1_tokens_per_s"):
+        gguf = report.get("llamacpp_gguf", "the stored weights")
+        llamacpp = f"; llama.cpp on {gguf}: {theirs['batch1_tokens_per_s']:.1f}"
+        if _differ(theirs, ours, "batched_tokens_per_s"):
+            llamacpp += f" and {theirs['batched_tokens_per_s']:.0f} batched"
     return [
-        f"machine ({roof['threads']} threads): read bandwidth {bw:.1f} GB/s, fp32 matmul peak {flops:.0f} GFLOP/s",
-        f"model: {m['params'] / 1e6:.0f} M params, {m['weight_bytes_fp32'] / 1e9:.2f} GB fp32{stored}",
-        f"bounds: batch-1 decode {roof['fp32']['batch1_tokens_per_s']:.1f} tok/s (bandwidth / fp32 weight "
-        f"bytes{stored_bound}), batched {roof['fp32']['batched_tokens_per_s']:.0f} tok/s (peak FLOP/s / 2 x params)",
+        f"machine ({roof['threads']} threads): read bandwidth {bw:.1f} GB/s, matmul peak (GFLOP/s) {peaks}",
+        f"model: {m['params'] / 1e6:.0f} M params, {weights}",
+        (f"bounds ({short}): batch-1 decode {ours['batch1_tokens_per_s']:.1f} tok/s (bandwidth / {short} weight "
+         f"bytes), batched {ours['batched_tokens_per_s']:.0f} tok/s ({short} peak FLOP/s / 2 x params){llamacpp}"),
     ]
 
 
@@ -75,7 +106,11 @@ def format_report(report: dict, engines: list[str], workloads: list[str]) -> str
             row += [_ratio(report, p, workload, key) for p in peers]
         rows.append(row)
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
-    lines = [f"model: {report['model']}  (↓: lower is better; (n%): fraction of the roofline bound)"]
+    lines = [f"model: {report['model']}, dtype: {_dtype(report)}  "
+             + "(↓: lower is better; (n%): fraction of the roofline bound)"]
+    if "llamacpp" in engines and "llamacpp_gguf" in report:
+        lines.append(f"llama.cpp reads {report['llamacpp_gguf']}")
+    lines += report.get("notes", [])
     lines += _machine_lines(report)
     lines.append("")
     for i, r in enumerate(rows):

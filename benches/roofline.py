@@ -1,10 +1,12 @@
 """Measures this machine's ceilings for the side-by-side benchmark and the bounds they put on a model.
 
 - memory bandwidth: summing (read) and copying (read + write) a 512 MiB fp32 array;
-- peak fp32 matmul: ``torch.mm`` at large M, on a square problem and on the model's MLP shape.
+- peak matmul FLOP/s in fp32 and in bf16: ``torch.mm`` at large M, on a square problem and on the
+  model's MLP shape, the same shapes for both dtypes.
 
-Batch-1 decode reads every weight once per token, so its bound is ``read bandwidth / weight
-bytes``; batched work is compute-bound at ``peak FLOP/s / (2 x params)`` tokens/s.
+Batch-1 decode reads every weight once per token, so its bound is ``read bandwidth / (params x
+bytes per element)`` of the dtype the engine runs in; batched work is compute-bound at that dtype's
+``peak FLOP/s / (2 x params)`` tokens/s.
 
     python benches/roofline.py [--threads 2] [--model .bench/qwen2-0.5b]   # prints one JSON line
 """
@@ -39,12 +41,16 @@ def memory_bandwidth(size_bytes: int = 512 << 20, repeats: int = 5) -> dict:
     return {"read_bytes_per_s": read, "copy_bytes_per_s": copy}
 
 
-def matmul_flops(repeats: int = 3) -> dict:
+# Run dtype -> (key of its matmul peak in measure()'s result, key of its bounds, bytes per element).
+DTYPES = {"float32": ("matmul_flops", "fp32", 4), "bfloat16": ("matmul_flops_bf16", "bf16", 2)}
+
+
+def matmul_flops(dtype: torch.dtype = torch.float32, repeats: int = 3) -> dict:
     shapes = {"square_2048": (2048, 2048, 2048), "square_4096": (4096, 4096, 4096),
               "mlp_4096x896x4864": (4096, 896, 4864)}
     out = {}
     for name, (m, k, n) in shapes.items():
-        a, b = torch.randn(m, k), torch.randn(k, n)
+        a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
         out[name] = 2 * m * k * n / _best_time(lambda: torch.mm(a, b), repeats)
     out["peak"] = max(out.values())
     return out
@@ -75,23 +81,30 @@ def model_size(model: Path) -> dict:
                         count *= d
                     params += count
                     stored += count * _ST_BYTES[sl.get_dtype()]
-    return {"params": params, "weight_bytes_fp32": 4 * params, "weight_bytes_stored": stored}
+    return {"params": params, "weight_bytes_fp32": 4 * params, "weight_bytes_bf16": 2 * params,
+            "weight_bytes_stored": stored}
 
 
 _ST_BYTES = {"F64": 8, "I64": 8, "F32": 4, "I32": 4, "F16": 2, "BF16": 2, "I16": 2, "I8": 1, "U8": 1,
              "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
 
 
-def bounds(machine: dict, params: int, weight_bytes: int) -> dict:
+def bounds(machine: dict, params: int, weight_bytes: int | None = None, dtype: str = "float32") -> dict:
+    """Tokens/s bounds for an engine computing in ``dtype`` that reads ``weight_bytes`` per decode
+    step (default: every parameter in ``dtype``)."""
+    peak_key, _, elem_bytes = DTYPES[dtype]
+    if weight_bytes is None:
+        weight_bytes = params * elem_bytes
     return {
         "batch1_tokens_per_s": machine["bandwidth"]["read_bytes_per_s"] / weight_bytes,
-        "batched_tokens_per_s": machine["matmul_flops"]["peak"] / (2 * params),
+        "batched_tokens_per_s": machine[peak_key]["peak"] / (2 * params),
     }
 
 
 def measure(threads: int) -> dict:
     torch.set_num_threads(threads)
-    return {"threads": threads, "bandwidth": memory_bandwidth(), "matmul_flops": matmul_flops()}
+    return {"threads": threads, "bandwidth": memory_bandwidth(), "matmul_flops": matmul_flops(torch.float32),
+            "matmul_flops_bf16": matmul_flops(torch.bfloat16)}
 
 
 def main() -> None:
@@ -102,7 +115,9 @@ def main() -> None:
     result = measure(args.threads)
     if args.model is not None:
         size = model_size(args.model)
-        result["model"] = {**size, **bounds(result, size["params"], size["weight_bytes_fp32"])}
+        # fp32 bounds at the top level (as before), then every run dtype's under its key.
+        result["model"] = {**size, **bounds(result, size["params"], dtype="float32"),
+                           **{key: bounds(result, size["params"], dtype=d) for d, (_, key, _) in DTYPES.items()}}
     print(json.dumps(result))
 
 

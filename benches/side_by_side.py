@@ -8,6 +8,11 @@ gets the very same requests, lengths included):
 - ``latency``: batch 1, 32 in -> 128 out, 3 timed runs after 1 warm-up (decode tok/s);
 - ``startup``: engine constructor to the first token of a one-token request.
 
+``--dtype`` picks the dtype every engine runs in (default float32). For bfloat16, ferrollm, HF
+and vLLM load the checkpoint in bf16, and llama.cpp reads a BF16 GGUF that llama.cpp's own
+quantizer makes once from the f32 one (benches/peers/gguf_bf16.py, cached in the bench folder);
+with ``--model smollm2`` llama.cpp keeps the stored Q4_1 GGUF, which bf16 would only inflate.
+
 Throughput counts only the tokens each request asked for. Beside each figure: the machine's
 roofline (benches/roofline.py) and the fraction of it reached; the last columns are ferrollm's
 figure divided by each peer's.
@@ -15,7 +20,8 @@ figure divided by each peer's.
 Run from the repository root with the project's interpreter, after ``bash benches/peers/setup.sh``:
 
     .venv/bin/python benches/side_by_side.py [--model qwen2|smollm2] \
-        [--engines ferrollm,hf,vllm,llamacpp] [--workloads startup,mixed,fixed,latency]
+        [--engines ferrollm,hf,vllm,llamacpp] [--workloads startup,mixed,fixed,latency] \
+        [--dtype float32|bfloat16]
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 ENGINES = ("ferrollm", "hf", "vllm", "llamacpp")
+DTYPES = ("float32", "bfloat16")
 WORKLOADS = ("startup", "mixed", "fixed", "latency")
 
 
@@ -69,6 +76,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--engines", default=",".join(ENGINES))
     p.add_argument("--workloads", default=",".join(WORKLOADS))
     p.add_argument("--model", choices=("qwen2", "smollm2"), default="qwen2")
+    p.add_argument("--dtype", choices=DTYPES, default="float32", help="the dtype every engine runs in")
     p.add_argument("--bench-dir", type=Path, default=REPO / ".bench")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2)
@@ -86,16 +94,34 @@ def parse_args() -> argparse.Namespace:
 
 
 def model_paths(args) -> dict:
-    """What each engine loads for --model, and the vocabulary the requests draw from."""
+    """What each engine loads for --model and --dtype, and the vocabulary the requests draw from.
+
+    For qwen2 in bfloat16 llama.cpp's GGUF is the BF16 conversion, which ``bf16_gguf`` makes when
+    it is not there yet; the other engines load the fp32 folder in the run dtype.
+    """
     if args.model == "qwen2":
         folder = args.bench_dir / "qwen2-0.5b"
-        return {"ferrollm": folder, "hf": folder, "vllm": folder, "llamacpp": args.bench_dir / "qwen2-0.5b-f32.gguf",
+        gguf = args.bench_dir / ("qwen2-0.5b-bf16.gguf" if args.dtype == "bfloat16" else "qwen2-0.5b-f32.gguf")
+        return {"ferrollm": folder, "hf": folder, "vllm": folder, "llamacpp": gguf,
                 "sizing": folder, "vocab_size": 151936}
     from ferrollm.cli import default_model
 
     gguf = Path(default_model())
-    # vLLM reads GGUF only through a plugin its CPU wheel does not carry.
+    # vLLM reads GGUF only through a plugin its CPU wheel does not carry. llama.cpp runs the Q4_1
+    # file as stored in either dtype: a BF16 copy of 4-bit weights would only be bigger.
     return {"ferrollm": gguf, "hf": gguf, "vllm": None, "llamacpp": gguf, "sizing": gguf, "vocab_size": 49152}
+
+
+def bf16_gguf(args, dst: Path) -> None:
+    """Makes llama.cpp's BF16 GGUF from the f32 one once, with llama.cpp's quantizer."""
+    if dst.exists():
+        return
+    src = args.bench_dir / "qwen2-0.5b-f32.gguf"
+    print(f"llama.cpp: converting {src.name} -> {dst.name} ...", file=sys.stderr, flush=True)
+    cmd = [str(args.bench_dir / "venv-llamacpp" / "bin" / "python"),
+           str(Path(__file__).resolve().parent / "peers" / "gguf_bf16.py"), str(src), str(dst),
+           "--threads", str(args.threads)]
+    _run(cmd, _log_path(args, "llamacpp"))
 
 
 def write_requests(args, workloads: list[str], vocab_size: int) -> Path:
@@ -139,12 +165,12 @@ def run_ferrollm(args, model: Path, workloads: list[str], requests_dir: Path) ->
     env = {"OMP_NUM_THREADS": str(args.threads)}
     out = args.bench_dir / "results" / "ferrollm-tmp.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    result: dict = {"engine": "ferrollm"}
+    result: dict = {"engine": "ferrollm", "dtype": args.dtype}
     for name in workloads:
         w = STARTUP if name == "startup" else args.specs[name]
         cmd = [cli, "bench", w.kind, "--model", str(model), "--input-len", str(w.input_len),
                "--output-len", str(w.output_len), "--max-model-len", str(args.max_model_len),
-               "--seed", str(args.seed), "--output-json", str(out)]
+               "--seed", str(args.seed), "--dtype", args.dtype, "--output-json", str(out)]
         if w.kind == "throughput":
             cmd += ["--num-prompts", str(w.num_prompts), "--random-range-ratio", repr(w.range_ratio)]
         else:
@@ -182,10 +208,12 @@ def run_peer(args, engine: str, model: Path, workloads: list[str], requests_dir:
               "--threads", str(args.threads), "--max-model-len", str(args.max_model_len), "--seed", str(args.seed)]
     env: dict = {}
     if engine == "hf":
-        cmd = [args.hf_python, str(peers / "hf_bench.py"), *common, "--batch-size", str(args.hf_batch_size)]
+        cmd = [args.hf_python, str(peers / "hf_bench.py"), *common, "--batch-size", str(args.hf_batch_size),
+               "--dtype", args.dtype]
         env["OMP_NUM_THREADS"] = str(args.threads)
     elif engine == "vllm":
-        cmd = [str(args.bench_dir / "venv-vllm" / "bin" / "python"), str(peers / "vllm_bench.py"), *common]
+        cmd = [str(args.bench_dir / "venv-vllm" / "bin" / "python"), str(peers / "vllm_bench.py"), *common,
+               "--dtype", args.dtype]
         cmd += ["--enforce-eager"] if args.vllm_enforce_eager else []
     else:
         cmd = [str(args.bench_dir / "venv-llamacpp" / "bin" / "python"), str(peers / "llamacpp_bench.py"), *common]
@@ -193,14 +221,26 @@ def run_peer(args, engine: str, model: Path, workloads: list[str], requests_dir:
     return json.loads(lines[-1])
 
 
-def measure_roofline(args, sizing: Path) -> dict:
+def measure_roofline(args, sizing: Path, llamacpp_gguf: Path | None) -> dict:
+    """The machine's ceilings and the bounds they put on the model: "fp32" and "bf16" for engines
+    that load it in that dtype, "stored" for the sizing file's bytes as stored, and "llamacpp" for
+    the GGUF llama.cpp reads (bf16 peak for a BF16 GGUF, the fp32 one otherwise, as before)."""
     import roofline
 
     machine = roofline.measure(args.threads)
     size = roofline.model_size(sizing)
-    return {**machine, "model": size,
-            "fp32": roofline.bounds(machine, size["params"], size["weight_bytes_fp32"]),
-            "stored": roofline.bounds(machine, size["params"], size["weight_bytes_stored"])}
+    params = size["params"]
+    roof = {**machine, "model": size,
+            "fp32": roofline.bounds(machine, params, size["weight_bytes_fp32"]),
+            "bf16": roofline.bounds(machine, params, size["weight_bytes_bf16"], dtype="bfloat16"),
+            "stored": roofline.bounds(machine, params, size["weight_bytes_stored"])}
+    if llamacpp_gguf is not None and llamacpp_gguf.exists():
+        gguf = llamacpp_gguf if llamacpp_gguf != sizing else None
+        stored = roofline.model_size(gguf)["weight_bytes_stored"] if gguf else size["weight_bytes_stored"]
+        dtype = "bfloat16" if llamacpp_gguf.name.endswith("-bf16.gguf") else "float32"
+        roof["llamacpp"] = {"gguf": llamacpp_gguf.name, "weight_bytes": stored,
+                            **roofline.bounds(machine, params, stored, dtype=dtype)}
+    return roof
 
 
 def main() -> None:
@@ -216,12 +256,26 @@ def main() -> None:
                      f"workloads: {', '.join(WORKLOADS)})")
     paths = model_paths(args)
     requests_dir = write_requests(args, workloads, paths["vocab_size"])
-    report: dict = {"model": args.model, "seed": args.seed, "threads": args.threads, "engines": {}}
+    report: dict = {"model": args.model, "dtype": args.dtype, "seed": args.seed, "threads": args.threads,
+                    "engines": {}}
+    if "llamacpp" in engines:
+        gguf = paths["llamacpp"]
+        report["llamacpp_gguf"] = gguf.name  # the dtype of llama.cpp's weights is the GGUF's
+        if args.dtype == "bfloat16" and args.model == "qwen2":
+            try:
+                bf16_gguf(args, gguf)
+            except (RuntimeError, OSError) as e:
+                report["engines"]["llamacpp"] = {"error": f"BF16 GGUF conversion: {e}"}
+        elif args.dtype != "float32":
+            report["notes"] = [f"llama.cpp runs {gguf.name} as stored (quantized), not in {args.dtype}"]
     if not args.skip_roofline:
         print("roofline ...", file=sys.stderr, flush=True)
-        report["roofline"] = measure_roofline(args, paths["sizing"])
+        gguf = paths["llamacpp"] if "llamacpp" in engines else None
+        report["roofline"] = measure_roofline(args, paths["sizing"], gguf)
     for engine in engines:
         model = paths[engine]
+        if engine in report["engines"]:  # failed before it could run
+            continue
         if model is None:
             report["engines"][engine] = {"error": f"{engine} cannot load the {args.model} checkpoint"}
             continue
@@ -236,7 +290,9 @@ def main() -> None:
             figures = {"error": str(e)}
         figures["wall_time"] = time.perf_counter() - start
         report["engines"][engine] = figures
-    out = args.out or args.bench_dir / "results" / f"side_by_side-{args.model}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    suffix = "" if args.dtype == "float32" else f"-{args.dtype}"  # float32 files keep their old names
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    out = args.out or args.bench_dir / "results" / f"side_by_side-{args.model}{suffix}-{stamp}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))
     from report_table import format_report

@@ -1,4 +1,5 @@
-"""HF transformers on the side-by-side workloads: ``generate`` on left-padded batches, fp32.
+"""HF transformers on the side-by-side workloads: ``generate`` on left-padded batches, in ``--dtype``
+(fp32 by default; a GGUF is dequantized to it).
 
 A user batches with transformers by padding prompts on the left and generating up to the longest
 output the batch asks for; every request in a batch runs until the batch ends, and only the
@@ -7,7 +8,7 @@ tokens each request asked for are counted. EOS is ignored by a generation config
 work the engines do not do).
 
     .venv/bin/python benches/peers/hf_bench.py --model .bench/qwen2-0.5b \
-        --requests-dir .bench/requests --workloads startup,fixed [--batch-size 32]
+        --requests-dir .bench/requests --workloads startup,fixed [--batch-size 32] [--dtype bfloat16]
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ class HfEngine:
         path = Path(args.model)
         kwargs = {"gguf_file": path.name} if path.suffix == ".gguf" else {}
         folder = path.parent if path.suffix == ".gguf" else path
-        self.model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **kwargs).eval()
+        self.model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, args.dtype), **kwargs).eval()
         self.batch_size = args.batch_size
         self.pad_id = 0
         torch.manual_seed(args.seed)
@@ -62,12 +63,15 @@ class HfEngine:
 def main() -> None:
     p = parser(__doc__)
     p.add_argument("--batch-size", type=int, default=32, help="requests per generate() call")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="torch dtype the weights are loaded in and computed with")
     args = p.parse_args()
     import torch
     import transformers
 
     run("hf", lambda: HfEngine(args), args,
-        {"version": transformers.__version__, "torch": torch.__version__, "batch_size": args.batch_size})
+        {"version": transformers.__version__, "torch": torch.__version__, "batch_size": args.batch_size,
+         "dtype": args.dtype})
 
 
 if __name__ == "__main__":
