@@ -1,0 +1,57 @@
+"""The oneDNN linear path (`cpu_gemm`): packed weights give F.linear's result in fp32 and bf16."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ferrollm.model_executor.layers.cpu_gemm import PackedWeight, linear, onednn_enabled
+
+BF16_ONEDNN = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def _case(dtype: torch.dtype, rows: int, with_bias: bool):
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 96, generator=gen).to(dtype)
+    weight = torch.randn(40, 96, generator=gen).to(dtype)
+    bias = torch.randn(40, generator=gen).to(dtype) if with_bias else None
+    return x, weight, bias
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+@pytest.mark.parametrize("rows", [1, 3, 64])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_packed_fp32_linear_matches_f_linear(rows, with_bias):
+    x, weight, bias = _case(torch.float32, rows, with_bias)
+    out = linear(x, weight, bias, PackedWeight(weight, bias))
+    torch.testing.assert_close(out, F.linear(x, weight, bias), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.skipif(not BF16_ONEDNN, reason="oneDNN has no bf16 path on this CPU")
+@pytest.mark.parametrize("rows", [1, 3, 64])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_packed_bf16_linear_matches_float32_arithmetic(rows, with_bias):
+    x, weight, bias = _case(torch.bfloat16, rows, with_bias)
+    out = linear(x, weight, bias, PackedWeight(weight, bias))
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, 40)
+    # Same bf16 operands, accumulated in fp32: the only difference is the output's bf16 rounding.
+    want = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+    torch.testing.assert_close(out.float(), want, rtol=1e-2, atol=2e-2)
+
+
+def test_onednn_is_used_for_fp32_and_for_bf16_only_where_onednn_runs_it(monkeypatch):
+    cpu = torch.device("cpu")
+    mkldnn = torch.backends.mkldnn.is_available()
+    assert onednn_enabled(cpu, torch.float32) == mkldnn
+    assert onednn_enabled(cpu, torch.bfloat16) == BF16_ONEDNN
+    assert not onednn_enabled(cpu, torch.float16)
+    assert not onednn_enabled(torch.device("meta"), torch.float32)
+    monkeypatch.setenv("FERROLLM_CPU_ONEDNN", "0")
+    assert not onednn_enabled(cpu, torch.float32) and not onednn_enabled(cpu, torch.bfloat16)
+
+
+def test_a_mismatched_input_dtype_falls_back_to_f_linear():
+    x, weight, bias = _case(torch.float32, 4, True)
+    packed = PackedWeight(weight, bias) if torch.backends.mkldnn.is_available() else None
+    out = linear(x.double(), weight.double(), bias.double(), packed)
+    assert out.dtype == torch.float64
+    torch.testing.assert_close(out, F.linear(x.double(), weight.double(), bias.double()))
