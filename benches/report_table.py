@@ -4,6 +4,8 @@ run's dtype (a report without one is float32); llama.cpp's are those of the GGUF
 
 from __future__ import annotations
 
+from roofline import DTYPES
+
 # (workload, key in the engine's figures, label, roofline bound or None, higher is better)
 ROWS = [
     ("startup", "startup_time", "start-up to 1st token (s)", None, False),
@@ -16,8 +18,6 @@ ROWS = [
 ]
 
 
-# Run dtype -> (key of its bounds in the roofline, short name, key of its matmul peak).
-DTYPES = {"float32": ("fp32", "fp32", "matmul_flops"), "bfloat16": ("bf16", "bf16", "matmul_flops_bf16")}
 
 
 def _dtype(report: dict) -> str:
@@ -32,7 +32,7 @@ def _bounds(report: dict, engine: str) -> dict | None:
         # llama.cpp reads its GGUF as stored (possibly quantized, or the BF16 conversion); reports
         # from before --dtype sized that as "stored".
         return roof.get("llamacpp", roof["stored"])
-    return roof[DTYPES[_dtype(report)][0]]
+    return roof[DTYPES[_dtype(report)].bounds]
 
 
 def _bound(report: dict, engine: str, key: str | None) -> float | None:
@@ -66,16 +66,16 @@ def _machine_lines(report: dict) -> list[str]:
     roof = report.get("roofline")
     if roof is None:
         return ["roofline: not measured"]
-    bound_key, short, _ = DTYPES[_dtype(report)]
+    short = DTYPES[_dtype(report)].bounds
     bw = roof["bandwidth"]["read_bytes_per_s"] / 1e9
-    peaks = ", ".join(f"{DTYPES[d][1]} {roof[DTYPES[d][2]]['peak'] / 1e9:.0f}" for d in DTYPES if DTYPES[d][2] in roof)
+    peaks = ", ".join(f"{k.bounds} {roof[k.peak]['peak'] / 1e9:.0f}" for k in DTYPES.values() if k.peak in roof)
     m = roof["model"]
     weights = f"{m['weight_bytes_fp32'] / 1e9:.2f} GB fp32"
     if short != "fp32":
         weights += f", {m[f'weight_bytes_{short}'] / 1e9:.2f} GB {short}"
     if m["weight_bytes_stored"] != m["weight_bytes_fp32"]:
         weights += f", {m['weight_bytes_stored'] / 1e9:.2f} GB as stored"
-    ours, theirs = roof[bound_key], _bounds(report, "llamacpp")
+    ours, theirs = roof[short], _bounds(report, "llamacpp")
     llamacpp = ""
     if "llamacpp" in report["engines"] and _differ(theirs, ours, "batch1_tokens_per_s"):
         gguf = report.get("llamacpp_gguf", "the stored weights")

@@ -17,8 +17,7 @@ import argparse
 import json
 import time
 from pathlib import Path
-
-import torch
+from typing import NamedTuple
 
 GIB = 1 << 30
 
@@ -34,6 +33,8 @@ def _best_time(fn, repeats: int) -> float:
 
 
 def memory_bandwidth(size_bytes: int = 512 << 20, repeats: int = 5) -> dict:
+    import torch
+
     src = torch.ones(size_bytes // 4, dtype=torch.float32)
     dst = torch.empty_like(src)
     read = size_bytes / _best_time(lambda: src.sum(), repeats)
@@ -41,16 +42,28 @@ def memory_bandwidth(size_bytes: int = 512 << 20, repeats: int = 5) -> dict:
     return {"read_bytes_per_s": read, "copy_bytes_per_s": copy}
 
 
-# Run dtype -> (key of its matmul peak in measure()'s result, key of its bounds, bytes per element).
-DTYPES = {"float32": ("matmul_flops", "fp32", 4), "bfloat16": ("matmul_flops_bf16", "bf16", 2)}
+class DtypeKeys(NamedTuple):
+    """Where a run dtype's figures sit in a roofline: its matmul peak in ``measure()``'s result, its
+    bounds (also its short name) in side_by_side's report, and its bytes per element."""
+
+    peak: str
+    bounds: str
+    elem_bytes: int
 
 
-def matmul_flops(dtype: torch.dtype = torch.float32, repeats: int = 3) -> dict:
+# The dtypes a side-by-side can run in. torch is imported inside the measuring functions, so
+# report_table.py can read this table without it.
+DTYPES = {"float32": DtypeKeys("matmul_flops", "fp32", 4), "bfloat16": DtypeKeys("matmul_flops_bf16", "bf16", 2)}
+
+
+def matmul_flops(dtype: str = "float32", repeats: int = 3) -> dict:
+    import torch
+
     shapes = {"square_2048": (2048, 2048, 2048), "square_4096": (4096, 4096, 4096),
               "mlp_4096x896x4864": (4096, 896, 4864)}
     out = {}
     for name, (m, k, n) in shapes.items():
-        a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
+        a, b = torch.randn(m, k, dtype=getattr(torch, dtype)), torch.randn(k, n, dtype=getattr(torch, dtype))
         out[name] = 2 * m * k * n / _best_time(lambda: torch.mm(a, b), repeats)
     out["peak"] = max(out.values())
     return out
@@ -92,19 +105,21 @@ _ST_BYTES = {"F64": 8, "I64": 8, "F32": 4, "I32": 4, "F16": 2, "BF16": 2, "I16":
 def bounds(machine: dict, params: int, weight_bytes: int | None = None, dtype: str = "float32") -> dict:
     """Tokens/s bounds for an engine computing in ``dtype`` that reads ``weight_bytes`` per decode
     step (default: every parameter in ``dtype``)."""
-    peak_key, _, elem_bytes = DTYPES[dtype]
+    keys = DTYPES[dtype]
     if weight_bytes is None:
-        weight_bytes = params * elem_bytes
+        weight_bytes = params * keys.elem_bytes
     return {
         "batch1_tokens_per_s": machine["bandwidth"]["read_bytes_per_s"] / weight_bytes,
-        "batched_tokens_per_s": machine[peak_key]["peak"] / (2 * params),
+        "batched_tokens_per_s": machine[keys.peak]["peak"] / (2 * params),
     }
 
 
 def measure(threads: int) -> dict:
+    import torch
+
     torch.set_num_threads(threads)
-    return {"threads": threads, "bandwidth": memory_bandwidth(), "matmul_flops": matmul_flops(torch.float32),
-            "matmul_flops_bf16": matmul_flops(torch.bfloat16)}
+    return {"threads": threads, "bandwidth": memory_bandwidth(),
+            **{keys.peak: matmul_flops(dtype) for dtype, keys in DTYPES.items()}}
 
 
 def main() -> None:
@@ -117,7 +132,7 @@ def main() -> None:
         size = model_size(args.model)
         # fp32 bounds at the top level (as before), then every run dtype's under its key.
         result["model"] = {**size, **bounds(result, size["params"], dtype="float32"),
-                           **{key: bounds(result, size["params"], dtype=d) for d, (_, key, _) in DTYPES.items()}}
+                           **{keys.bounds: bounds(result, size["params"], dtype=d) for d, keys in DTYPES.items()}}
     print(json.dumps(result))
 
 

@@ -38,8 +38,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import roofline  # noqa: E402  (benches/ is on the path from here on)
+
 ENGINES = ("ferrollm", "hf", "vllm", "llamacpp")
-DTYPES = ("float32", "bfloat16")
 WORKLOADS = ("startup", "mixed", "fixed", "latency")
 
 
@@ -76,7 +77,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--engines", default=",".join(ENGINES))
     p.add_argument("--workloads", default=",".join(WORKLOADS))
     p.add_argument("--model", choices=("qwen2", "smollm2"), default="qwen2")
-    p.add_argument("--dtype", choices=DTYPES, default="float32", help="the dtype every engine runs in")
+    p.add_argument("--dtype", choices=tuple(roofline.DTYPES), default="float32", help="the dtype every engine runs in")
     p.add_argument("--bench-dir", type=Path, default=REPO / ".bench")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2)
@@ -225,14 +226,11 @@ def measure_roofline(args, sizing: Path, llamacpp_gguf: Path | None) -> dict:
     """The machine's ceilings and the bounds they put on the model: "fp32" and "bf16" for engines
     that load it in that dtype, "stored" for the sizing file's bytes as stored, and "llamacpp" for
     the GGUF llama.cpp reads (bf16 peak for a BF16 GGUF, the fp32 one otherwise, as before)."""
-    import roofline
-
     machine = roofline.measure(args.threads)
     size = roofline.model_size(sizing)
     params = size["params"]
     roof = {**machine, "model": size,
-            "fp32": roofline.bounds(machine, params, size["weight_bytes_fp32"]),
-            "bf16": roofline.bounds(machine, params, size["weight_bytes_bf16"], dtype="bfloat16"),
+            **{keys.bounds: roofline.bounds(machine, params, dtype=d) for d, keys in roofline.DTYPES.items()},
             "stored": roofline.bounds(machine, params, size["weight_bytes_stored"])}
     if llamacpp_gguf is not None and llamacpp_gguf.exists():
         gguf = llamacpp_gguf if llamacpp_gguf != sizing else None
