@@ -16,6 +16,8 @@ __all__ = [
     "StepReceiver",
     "Tokenizer",
     "__version__",
+    "cpu_gemv",
+    "cpu_openmp_attach",
 ]
 __version__: str
 
@@ -243,3 +245,20 @@ class StepReceiver:
 
     def __new__(cls, path: str | os.PathLike[str], reader: int) -> StepReceiver: ...
     def recv(self, timeout_s: float) -> SchedulerOutput | str | None: ...
+
+# The CPU kernels (`rust/kernels`), on `(data_ptr, numel)` buffers of contiguous tensors; see
+# `ferrollm.cpu_kernels`, their only caller.
+_Buffer = tuple[int, int]
+
+def cpu_openmp_attach(path: str) -> None: ...
+def cpu_gemv(
+    dtype: str,
+    x: _Buffer,
+    weight: _Buffer,
+    bias: _Buffer | None,
+    out: _Buffer,
+    rows: int,
+    out_features: int,
+    in_features: int,
+    threads: int,
+) -> None: ...

@@ -24,6 +24,7 @@ __all__ = [
     "EngineDeadError",
     "WorkerError",
     "StepChannelError",
+    "KernelError",
 ]
 
 
@@ -90,3 +91,8 @@ class WorkerError(EngineDeadError):
 class StepChannelError(EngineError):
     """The shared-memory channel that carries steps to the worker ranks failed, timed out or was
     aborted because a rank died."""
+
+
+class KernelError(FerroLLMError, ValueError):
+    """A CPU kernel (``rust/kernels``) refused its arguments: a buffer whose size does not match
+    its shape, or a shape out of the kernel's range. Nothing was written."""

@@ -3,6 +3,7 @@
 //! contract and `make test` checks the two agree (mypy.stubtest).
 
 mod broadcast;
+mod cpu_kernels;
 mod engine;
 mod errors;
 mod outputs;
@@ -21,6 +22,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<outputs::PyRequestOutput>()?;
     m.add_class::<broadcast::PyStepBroadcaster>()?;
     m.add_class::<broadcast::PyStepReceiver>()?;
+    m.add_function(wrap_pyfunction!(cpu_kernels::cpu_openmp_attach, m)?)?;
+    m.add_function(wrap_pyfunction!(cpu_kernels::cpu_gemv, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

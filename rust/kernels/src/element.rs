@@ -1,0 +1,54 @@
+/// A tensor element the kernels read and write; arithmetic happens in `f32`.
+pub trait Element: Copy + Send + Sync + 'static {
+    fn to_f32(self) -> f32;
+    fn from_f32(value: f32) -> Self;
+}
+
+impl Element for f32 {
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        self
+    }
+    #[inline(always)]
+    fn from_f32(value: f32) -> Self {
+        value
+    }
+}
+
+/// bfloat16 as its bit pattern (torch's `torch.bfloat16` memory layout).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[repr(transparent)]
+pub struct Bf16(pub u16);
+
+impl Element for Bf16 {
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        f32::from_bits(u32::from(self.0) << 16)
+    }
+    /// Round to nearest even, as torch (and the hardware) convert; NaN stays a quiet NaN.
+    #[inline(always)]
+    fn from_f32(value: f32) -> Self {
+        let bits = value.to_bits();
+        if value.is_nan() {
+            return Bf16(((bits >> 16) as u16) | 0x40);
+        }
+        let rounding = 0x7fff + ((bits >> 16) & 1);
+        Bf16((bits.wrapping_add(rounding) >> 16) as u16)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bf16_rounds_to_nearest_even() {
+        assert_eq!(Bf16::from_f32(1.0).0, 0x3f80);
+        // 1 + 2^-8 is halfway between 1 and 1 + 2^-7: ties go to the even mantissa (1.0).
+        assert_eq!(Bf16::from_f32(1.0 + 1.0 / 256.0).0, 0x3f80);
+        assert_eq!(Bf16::from_f32(1.0 + 3.0 / 256.0).0, 0x3f82);
+        assert!(Bf16::from_f32(f32::NAN).to_f32().is_nan());
+        assert_eq!(Bf16::from_f32(f32::INFINITY).to_f32(), f32::INFINITY);
+        assert_eq!(Bf16::from_f32(-2.5).to_f32(), -2.5);
+    }
+}
