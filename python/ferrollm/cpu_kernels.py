@@ -58,8 +58,9 @@ def _loaded_libraries() -> list[str]:
 def gemv_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether :func:`gemv` takes ``x @ weight.T``: CPU tensors, both fp32 or both bf16, at most
     :data:`GEMV_MAX_ROWS` rows, and torch's OpenMP team joined."""
+    # A strided weight (a view) would be copied whole on every call: leave it to torch.
     return (x.dim() == 2 and 0 < x.shape[0] <= GEMV_MAX_ROWS and weight.dim() == 2
-            and x.device.type == "cpu" and weight.device.type == "cpu"
+            and weight.is_contiguous() and x.device.type == "cpu" and weight.device.type == "cpu"
             and x.dtype in _NAMES and weight.dtype == x.dtype and _joined_openmp())
 
 
@@ -67,7 +68,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     """``x @ weight.T + bias`` for ``x``: ``[rows, in]``, ``weight``: ``[out, in]``, streaming
     ``weight`` once on torch's threads. Accumulates in float32 and rounds once to ``x``'s dtype.
     Call only where :func:`gemv_supported` holds."""
-    x, weight = x.contiguous(), weight.contiguous()
+    x = x.contiguous()
     rows, in_features = x.shape
     out = x.new_empty((rows, weight.shape[0]))
     bias_buf = None

@@ -7,10 +7,9 @@
 
 use ferrollm_kernels::gemv::{gemv, GemvShape};
 use ferrollm_kernels::{openmp, Bf16};
-use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
-use crate::errors::kernel_error;
+use crate::errors::{kernel_error, raise};
 
 /// A tensor's memory: its first element's address and element count.
 type Buffer = (usize, usize);
@@ -69,9 +68,10 @@ pub fn cpu_gemv(
         "float32" => run!(f32),
         "bfloat16" => run!(Bf16),
         other => {
-            return Err(PyValueError::new_err(format!(
-                "`dtype` must be 'float32' or 'bfloat16'. Given: {other:?}"
-            )))
+            return Err(raise(
+                "KernelError",
+                format!("`dtype` must be 'float32' or 'bfloat16'. Given: '{other}'"),
+            ))
         }
     };
     result.map_err(kernel_error)

@@ -47,7 +47,7 @@ pub fn kernel_error(e: KernelError) -> PyErr {
 }
 
 /// `ferrollm.exceptions.<class>(msg)`, or a `RuntimeError` if that module cannot be imported.
-fn raise(class: &str, msg: String) -> PyErr {
+pub fn raise(class: &str, msg: String) -> PyErr {
     Python::attach(|py| {
         let cls = py
             .import("ferrollm.exceptions")

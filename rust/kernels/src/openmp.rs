@@ -27,11 +27,8 @@ struct Runtime {
 static RUNTIME: OnceLock<Runtime> = OnceLock::new();
 
 /// Joins the OpenMP runtime loaded from `path` (a shared library already in this process).
-/// Attaching again, to any path, keeps the first runtime.
+/// Once one is joined, attaching again checks `path` the same way but keeps the first.
 pub fn attach(path: &str) -> Result<(), KernelError> {
-    if RUNTIME.get().is_some() {
-        return Ok(());
-    }
     let runtime = open(path).map_err(|reason| KernelError::OpenMp { path: path.to_owned(), reason })?;
     let _ = RUNTIME.set(runtime);
     Ok(())

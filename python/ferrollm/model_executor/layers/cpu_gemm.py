@@ -17,8 +17,13 @@ The call is `mkldnn::_linear_pointwise` (what inductor's CPU freezing pass emits
 activations in and out, so no `to_mkldnn`/`to_dense` copies per call (those were ~15% of a
 profiled 32×128 run), and the weight packed by `mkldnn::_reorder_linear_weight`.
 
-The packed copy sits beside the dense weight, which stays for one-row (batch-1) products (see
+The packed copy sits beside the dense weight, which stays for one- and two-row products (see
 `linear`), embeddings tied to the LM head, checkpoint saving and tensor-parallel loading.
+
+Products of one or two rows, the decode steps of small batches, go to neither: they are bound by
+reading the weight, which `ferrollm.cpu_kernels.gemv` streams at ~28 GB/s where oneDNN reaches
+~20 (fp32 and bf16; see `rust/kernels`). A Qwen2-0.5B-shaped batch-1 step spends 97 products
+and ~85% of its time there.
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ import os
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from ferrollm import cpu_kernels
 
 __all__ = ["PackedWeight", "linear", "onednn_enabled", "pack_linear_weights"]
 
@@ -52,7 +59,10 @@ class PackedWeight:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
            packed: PackedWeight | None) -> torch.Tensor:
-    """`x @ weight.T + bias`, through the packed weight when there is one."""
+    """`x @ weight.T + bias`: the streaming GEMV for one or two rows, else through the packed
+    weight when there is one."""
+    if cpu_kernels.gemv_supported(x, weight):
+        return cpu_kernels.gemv(x, weight, bias)
     if packed is None or x.dim() != 2 or x.shape[0] == 0 or x.dtype != packed.dtype:
         return F.linear(x, weight, bias)
     # One row is a matrix-vector product, bound by reading the weight: oneDNN streams the plain
