@@ -141,11 +141,15 @@ def _visible(query_pos, ctx_len, sliding_window):
 
 
 def _gather(kv_cache, block_tables):
-    """Reads blocks into ``keys, values``, each ``[rows, num_blocks * block_size, kv_heads, dim]``."""
+    """Reads blocks into ``keys, values``, each ``[rows, num_blocks * block_size, kv_heads, dim]``.
+
+    `index_select` along the blocks' own dimension copies each block whole; advanced indexing
+    (`kv_cache[:, ids]`) copies element by element, which measured 3x slower for 32 fp32 rows and
+    13x slower for bf16 (1.2 ms against 0.09 ms per layer at 32 rows x 200 tokens)."""
     rows, num_blocks = block_tables.shape
-    kv = kv_cache[:, block_tables.long()]  # [2, rows, num_blocks, block_size, kv_heads, dim]
-    kv = kv.reshape(2, rows, num_blocks * kv_cache.shape[2], *kv_cache.shape[-2:])
-    return kv[0], kv[1]
+    ids = block_tables.reshape(-1).long()
+    shape = (rows, num_blocks * kv_cache.shape[2], *kv_cache.shape[-2:])
+    return kv_cache[0].index_select(0, ids).view(shape), kv_cache[1].index_select(0, ids).view(shape)
 
 
 def _attend(query, keys, values, query_pos, scale, sliding_window, soft_cap):

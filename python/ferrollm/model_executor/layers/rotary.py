@@ -59,7 +59,7 @@ class RotaryEmbedding(nn.Module):
         Returns:
             Rotated ``(query, key)``, same shapes.
         """
-        cos, sin = self.cos_sin_cache[positions].chunk(2, dim=-1)
+        cos, sin = self.cos_sin_cache.index_select(0, positions).chunk(2, dim=-1)
         return self._rotate(query, cos, sin), self._rotate(key, cos, sin)
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
