@@ -18,6 +18,10 @@ __all__ = [
     "__version__",
     "cpu_gemv",
     "cpu_openmp_attach",
+    "cpu_paged_decode",
+    "cpu_rms_norm",
+    "cpu_rotary_neox",
+    "cpu_silu_and_mul",
 ]
 __version__: str
 
@@ -260,5 +264,48 @@ def cpu_gemv(
     rows: int,
     out_features: int,
     in_features: int,
+    threads: int,
+) -> None: ...
+def cpu_paged_decode(
+    dtype: str,
+    query: _Buffer,
+    key_cache: _Buffer,
+    value_cache: _Buffer,
+    block_tables: _Buffer,
+    seq_lens: _Buffer,
+    out: _Buffer,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    max_blocks_per_seq: int,
+    scale: float,
+    threads: int,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+) -> None: ...
+def cpu_rms_norm(
+    dtype: str,
+    x: _Buffer,
+    weight: _Buffer,
+    eps: float,
+    gemma: bool,
+    out: _Buffer,
+    threads: int,
+    residual: _Buffer | None = None,
+    residual_out: _Buffer | None = None,
+) -> None: ...
+def cpu_silu_and_mul(dtype: str, x: _Buffer, width: int, out: _Buffer, threads: int) -> None: ...
+def cpu_rotary_neox(
+    dtype: str,
+    x: _Buffer,
+    positions: _Buffer,
+    cos_sin: _Buffer,
+    out: _Buffer,
+    rows: int,
+    row_stride: int,
+    heads: int,
+    head_size: int,
+    rotary_dim: int,
     threads: int,
 ) -> None: ...

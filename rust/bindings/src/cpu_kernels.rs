@@ -3,10 +3,14 @@
 //! Tensors cross as `(data_ptr, numel)` pairs plus a dtype name: torch's bfloat16 has no numpy
 //! dtype, so the buffer protocol cannot carry it. The one caller, `ferrollm.cpu_kernels`, passes
 //! only contiguous CPU tensors of the named dtype, and outputs it has just allocated (so they
-//! alias no input). The kernels check every length against the shape they are given.
+//! alias no input). Inputs may be strided where a kernel takes a row stride. The kernels check
+//! every length against the shape they are given.
 
+use ferrollm_kernels::attention::{paged_decode, DecodeInputs, DecodeOptions, DecodeShape};
 use ferrollm_kernels::gemv::{gemv, GemvShape};
-use ferrollm_kernels::{openmp, Bf16};
+use ferrollm_kernels::norm::{fused_add_rms_norm, rms_norm, RmsNormWeight};
+use ferrollm_kernels::rotary::{rotate_neox, RotaryShape};
+use ferrollm_kernels::{activation, openmp, Bf16};
 use pyo3::prelude::*;
 
 use crate::errors::{kernel_error, raise};
@@ -39,6 +43,26 @@ pub fn cpu_openmp_attach(py: Python<'_>, path: &str) -> PyResult<()> {
     py.detach(|| openmp::attach(path)).map_err(kernel_error)
 }
 
+/// Runs `$body` with `$t` bound to the element type the dtype name stands for.
+macro_rules! by_dtype {
+    ($dtype:expr, $t:ident => $body:expr) => {
+        match $dtype {
+            "float32" => {
+                type $t = f32;
+                $body
+            }
+            "bfloat16" => {
+                type $t = Bf16;
+                $body
+            }
+            other => Err(raise(
+                "KernelError",
+                format!("`dtype` must be 'float32' or 'bfloat16'. Given: '{other}'"),
+            )),
+        }
+    };
+}
+
 /// `out[rows, out_features] = x[rows, in_features] · weight[out_features, in_features]ᵀ + bias`.
 #[pyfunction]
 #[pyo3(signature = (dtype, x, weight, bias, out, rows, out_features, in_features, threads))]
@@ -56,23 +80,126 @@ pub fn cpu_gemv(
     threads: usize,
 ) -> PyResult<()> {
     let shape = GemvShape { rows, out_features, in_features };
-    macro_rules! run {
-        ($t:ty) => {
-            // SAFETY: the caller passes live, contiguous buffers of `$t`, `out` freshly allocated.
-            py.detach(|| unsafe {
-                gemv::<$t>(view(x), view(weight), bias.map(|b| view(b)), view_mut(out), shape, threads)
-            })
+    by_dtype!(dtype, T => {
+        // SAFETY: see the module doc; `out` is a fresh tensor.
+        let (x, weight, bias, out) = unsafe { (view::<T>(x), view::<T>(weight), bias.map(|b| view::<T>(b)), view_mut::<T>(out)) };
+        py.detach(|| gemv(x, weight, bias, out, shape, threads)).map_err(kernel_error)
+    })
+}
+
+/// `out[row, head] = attention(query[row, head], row's first seq_lens[row] cached tokens)`.
+#[pyfunction]
+#[pyo3(signature = (dtype, query, key_cache, value_cache, block_tables, seq_lens, out, num_heads,
+                    num_kv_heads, head_dim, block_size, max_blocks_per_seq, scale, threads,
+                    sliding_window=None, soft_cap=None))]
+#[allow(clippy::too_many_arguments)]
+pub fn cpu_paged_decode(
+    py: Python<'_>,
+    dtype: &str,
+    query: Buffer,
+    key_cache: Buffer,
+    value_cache: Buffer,
+    block_tables: Buffer,
+    seq_lens: Buffer,
+    out: Buffer,
+    num_heads: usize,
+    num_kv_heads: usize,
+    head_dim: usize,
+    block_size: usize,
+    max_blocks_per_seq: usize,
+    scale: f32,
+    threads: usize,
+    sliding_window: Option<usize>,
+    soft_cap: Option<f32>,
+) -> PyResult<()> {
+    let shape = DecodeShape { num_heads, num_kv_heads, head_dim, block_size, max_blocks_per_seq };
+    let options = DecodeOptions { scale, sliding_window, soft_cap };
+    by_dtype!(dtype, T => {
+        // SAFETY: see the module doc; `out` is a fresh tensor.
+        let (inputs, out) = unsafe {
+            let inputs = DecodeInputs::<T> {
+                query: view(query), key_cache: view(key_cache), value_cache: view(value_cache),
+                block_tables: view(block_tables), seq_lens: view(seq_lens),
+            };
+            (inputs, view_mut::<T>(out))
         };
-    }
-    let result = match dtype {
-        "float32" => run!(f32),
-        "bfloat16" => run!(Bf16),
-        other => {
-            return Err(raise(
-                "KernelError",
-                format!("`dtype` must be 'float32' or 'bfloat16'. Given: '{other}'"),
-            ))
+        py.detach(|| paged_decode(inputs, shape, options, out, threads)).map_err(kernel_error)
+    })
+}
+
+/// `out = rms_norm(x)`, or with `residual`: `residual_out = x + residual; out = rms_norm(residual_out)`.
+#[pyfunction]
+#[pyo3(signature = (dtype, x, weight, eps, gemma, out, threads, residual=None, residual_out=None))]
+#[allow(clippy::too_many_arguments)]
+pub fn cpu_rms_norm(
+    py: Python<'_>,
+    dtype: &str,
+    x: Buffer,
+    weight: Buffer,
+    eps: f32,
+    gemma: bool,
+    out: Buffer,
+    threads: usize,
+    residual: Option<Buffer>,
+    residual_out: Option<Buffer>,
+) -> PyResult<()> {
+    by_dtype!(dtype, T => {
+        // SAFETY: see the module doc; `out` and `residual_out` are fresh tensors.
+        let (x, weight, out) = unsafe { (view::<T>(x), view::<T>(weight), view_mut::<T>(out)) };
+        let norm = RmsNormWeight { weight, eps, gemma };
+        match (residual, residual_out) {
+            (Some(r), Some(r_out)) => {
+                // SAFETY: as above.
+                let (r, r_out) = unsafe { (view::<T>(r), view_mut::<T>(r_out)) };
+                py.detach(|| fused_add_rms_norm(x, r, norm, out, r_out, threads)).map_err(kernel_error)
+            }
+            (None, None) => py.detach(|| rms_norm(x, norm, out, threads)).map_err(kernel_error),
+            _ => Err(raise("KernelError", "`residual` and `residual_out` must be given together".to_owned())),
         }
-    };
-    result.map_err(kernel_error)
+    })
+}
+
+/// `out[r] = silu(x[r, :width]) * x[r, width:]`.
+#[pyfunction]
+pub fn cpu_silu_and_mul(
+    py: Python<'_>,
+    dtype: &str,
+    x: Buffer,
+    width: usize,
+    out: Buffer,
+    threads: usize,
+) -> PyResult<()> {
+    by_dtype!(dtype, T => {
+        // SAFETY: see the module doc; `out` is a fresh tensor.
+        let (x, out) = unsafe { (view::<T>(x), view_mut::<T>(out)) };
+        py.detach(|| activation::silu_and_mul(x, width, out, threads)).map_err(kernel_error)
+    })
+}
+
+/// `out` = the first `heads` heads of each `row_stride`-long row of `x`, rotated (NeoX style) by
+/// the `cos_sin` rows at `positions` (int64).
+#[pyfunction]
+#[pyo3(signature = (dtype, x, positions, cos_sin, out, rows, row_stride, heads, head_size, rotary_dim, threads))]
+#[allow(clippy::too_many_arguments)]
+pub fn cpu_rotary_neox(
+    py: Python<'_>,
+    dtype: &str,
+    x: Buffer,
+    positions: Buffer,
+    cos_sin: Buffer,
+    out: Buffer,
+    rows: usize,
+    row_stride: usize,
+    heads: usize,
+    head_size: usize,
+    rotary_dim: usize,
+    threads: usize,
+) -> PyResult<()> {
+    let shape = RotaryShape { rows, row_stride, heads, head_size, rotary_dim };
+    by_dtype!(dtype, T => {
+        // SAFETY: see the module doc; `x` may be a strided view, `out` is a fresh tensor.
+        let (x, positions, cos_sin, out) =
+            unsafe { (view::<T>(x), view::<i64>(positions), view::<T>(cos_sin), view_mut::<T>(out)) };
+        py.detach(|| rotate_neox(x, positions, cos_sin, out, shape, threads)).map_err(kernel_error)
+    })
 }

@@ -37,6 +37,12 @@ impl Element for Bf16 {
     }
 }
 
+/// Rounds `value` to `T` and back: what torch's result holds after an op in `T`.
+#[inline(always)]
+pub(crate) fn round<T: Element>(value: f32) -> f32 {
+    T::from_f32(value).to_f32()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -8,7 +8,7 @@ pub enum KernelError {
     Size { name: &'static str, expected: usize, actual: usize },
     /// A shape value is out of range.
     #[error("`{name}` must be {limit}. Given: {value}")]
-    Value { name: &'static str, limit: String, value: usize },
+    Value { name: &'static str, limit: String, value: i64 },
     /// The OpenMP runtime could not be attached.
     #[error("cannot use the OpenMP runtime at {path:?}: {reason}")]
     OpenMp { path: String, reason: String },

@@ -38,7 +38,7 @@ pub fn gemv<T: Element + Weight>(
         return Err(KernelError::Value {
             name: "rows",
             limit: format!("between 1 and {MAX_ROWS}"),
-            value: rows,
+            value: rows as i64,
         });
     }
     check_len("x", x.len(), rows * in_features)?;
@@ -48,7 +48,7 @@ pub fn gemv<T: Element + Weight>(
         check_len("bias", bias.len(), out_features)?;
     }
     let x: Vec<f32> = x.iter().map(|v| v.to_f32()).collect();
-    let out = SharedOut(out.as_mut_ptr());
+    let out = openmp::SharedMut(out.as_mut_ptr());
     openmp::parallel(threads, |thread, team| {
         let span = openmp::share(out_features, thread, team);
         let job = Job { x: &x, weight, bias, shape };
@@ -70,10 +70,6 @@ pub trait Weight: Element {}
 #[cfg(not(target_arch = "x86_64"))]
 impl<T: Element> Weight for T {}
 
-struct SharedOut<T>(*mut T);
-// SAFETY: threads write disjoint elements through it (see `gemv`).
-unsafe impl<T> Sync for SharedOut<T> {}
-
 struct Job<'a, T> {
     x: &'a [f32],
     weight: &'a [T],
@@ -85,21 +81,21 @@ impl<T: Element + Weight> Job<'_, T> {
     /// # Safety
     /// `out` must address `rows * out_features` elements, of which no other thread writes the
     /// columns in `span`.
-    unsafe fn run(&self, span: std::ops::Range<usize>, out: &SharedOut<T>) {
+    unsafe fn run(&self, span: std::ops::Range<usize>, out: &openmp::SharedMut<T>) {
         match self.shape.rows {
             1 => self.run_rows::<1>(span, out),
             _ => self.run_rows::<2>(span, out),
         }
     }
 
-    unsafe fn run_rows<const M: usize>(&self, span: std::ops::Range<usize>, out: &SharedOut<T>) {
+    unsafe fn run_rows<const M: usize>(&self, span: std::ops::Range<usize>, out: &openmp::SharedMut<T>) {
         let GemvShape { out_features, in_features: k, .. } = self.shape;
         for n in span {
             let row = &self.weight[n * k..(n + 1) * k];
             let dots = dot_rows::<T, M>(row, self.x);
             let bias = self.bias.map_or(0.0, |b| b[n].to_f32());
             for (r, dot) in dots.into_iter().enumerate() {
-                *out.0.add(r * out_features + n) = T::from_f32(dot + bias);
+                *out.get().add(r * out_features + n) = T::from_f32(dot + bias);
             }
         }
     }

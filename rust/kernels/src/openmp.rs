@@ -11,6 +11,7 @@
 //! loads one); until then, and where there is none, [`parallel`] runs on the calling thread.
 
 use std::ffi::{c_int, c_uint, c_void, CString};
+use std::ops::Range;
 use std::sync::OnceLock;
 
 use crate::KernelError;
@@ -96,8 +97,64 @@ extern "C" fn member<F: Fn(usize, usize) + Sync>(data: *mut c_void) {
     f(thread.max(0) as usize, size.max(1) as usize);
 }
 
+/// Splits `out`, `units` pieces of `unit_len` elements, over the team: `f(units, piece)` gets
+/// each thread's share of units and their elements. Each thread gets `min_units` or more, so small
+/// outputs run on the calling thread alone (waking the team costs more than they do).
+pub fn for_each_share<T, F>(out: &mut [T], unit_len: usize, min_units: usize, threads: usize, f: F)
+where
+    T: Send,
+    F: Fn(Range<usize>, &mut [T]) + Sync,
+{
+    for_each_share_pair(out, &mut [] as &mut [T], unit_len, 0, min_units, threads, |units, a, _| f(units, a));
+}
+
+/// [`for_each_share`] over two outputs split by the same units (`b` may have another unit length).
+pub fn for_each_share_pair<A, B, F>(
+    a: &mut [A],
+    b: &mut [B],
+    a_unit: usize,
+    b_unit: usize,
+    min_units: usize,
+    threads: usize,
+    f: F,
+) where
+    A: Send,
+    B: Send,
+    F: Fn(Range<usize>, &mut [A], &mut [B]) + Sync,
+{
+    let units = a.len().checked_div(a_unit).unwrap_or(0);
+    let team = threads.min(units / min_units.max(1)).max(1);
+    let (pa, pb) = (SharedMut(a.as_mut_ptr()), SharedMut(b.as_mut_ptr()));
+    let (a_len, b_len) = (a.len(), b.len());
+    parallel(team, |thread, size| {
+        let span = share(units, thread, size);
+        let (a_start, a_end) = ((span.start * a_unit).min(a_len), (span.end * a_unit).min(a_len));
+        let (b_start, b_end) = ((span.start * b_unit).min(b_len), (span.end * b_unit).min(b_len));
+        // SAFETY: the shares of distinct threads are disjoint ranges, clamped to the slices'
+        // lengths, and the slices outlive `parallel`.
+        let (sa, sb) = unsafe {
+            (
+                std::slice::from_raw_parts_mut(pa.get().add(a_start), a_end - a_start),
+                std::slice::from_raw_parts_mut(pb.get().add(b_start), b_end - b_start),
+            )
+        };
+        f(span, sa, sb);
+    });
+}
+
+pub(crate) struct SharedMut<T>(pub(crate) *mut T);
+// SAFETY: used only to hand disjoint pieces of one slice to the team's threads.
+unsafe impl<T: Send> Sync for SharedMut<T> {}
+
+impl<T> SharedMut<T> {
+    /// The pointer. A method, so closures capture the `Sync` wrapper and not its raw field.
+    pub(crate) fn get(&self) -> *mut T {
+        self.0
+    }
+}
+
 /// The `thread`-th of `parts` near-equal pieces of `0..len`, as a range.
-pub fn share(len: usize, thread: usize, parts: usize) -> std::ops::Range<usize> {
+pub fn share(len: usize, thread: usize, parts: usize) -> Range<usize> {
     let parts = parts.max(1);
     let (base, extra) = (len / parts, len % parts);
     let start = thread * base + thread.min(extra);
@@ -121,6 +178,16 @@ mod tests {
             calls.fetch_add(1, Ordering::Relaxed);
         });
         assert_eq!(calls.into_inner(), 1);
+    }
+
+    #[test]
+    fn small_outputs_stay_on_the_calling_thread() {
+        let mut out = vec![0u32; 12];
+        for_each_share(&mut out, 3, 8, 4, |units, piece| {
+            assert_eq!((units, piece.len()), (0..4, 12));
+            piece.iter_mut().enumerate().for_each(|(i, v)| *v = i as u32);
+        });
+        assert_eq!(out, (0..12).collect::<Vec<_>>());
     }
 
     #[test]
