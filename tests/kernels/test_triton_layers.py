@@ -42,7 +42,10 @@ def test_rms_norm_matches_the_layer(dtype, hidden_size):
     out = rms_norm(x, layer.weight, 1e-5)
     assert out.shape == x.shape and out.dtype == dtype
     torch.testing.assert_close(out, rms_norm_ref(x, layer.weight, 1e-5), **TOL[dtype])
-    torch.testing.assert_close(rms_norm_ref(x, layer.weight, 1e-5), layer(x), atol=0, rtol=0)
+    # The reference is the layer's torch path, bit for bit (on the CPU the layer itself runs the
+    # Rust kernel, which sums in another order).
+    torch.testing.assert_close(rms_norm_ref(x, layer.weight, 1e-5), layer._normalize(x), atol=0, rtol=0)
+    torch.testing.assert_close(layer(x), layer._normalize(x), **TOL[dtype])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -51,7 +54,8 @@ def test_fused_add_rms_norm_updates_both_in_place_like_the_layer(dtype):
     weight = randn(40, dtype=dtype, seed=2)
     layer = RMSNorm(40, eps=1e-6, params_dtype=dtype)
     layer.weight.data.copy_(weight)
-    want_out, want_residual = layer(x, residual)
+    want_residual = x + residual
+    want_out = layer._normalize(want_residual)  # the torch path (see above)
     x_ref, r_ref = fused_add_rms_norm_ref(x.clone(), residual.clone(), weight, 1e-6)
     torch.testing.assert_close(x_ref, want_out, atol=0, rtol=0)
     out, new_residual = fused_add_rms_norm(x, residual, weight, 1e-6)
@@ -110,7 +114,8 @@ def test_silu_and_mul_matches_the_layer(dtype, block):
     out = silu_and_mul(x, block=block)
     assert out.shape == (2, 3, 40) and out.dtype == dtype
     torch.testing.assert_close(out, silu_and_mul_ref(x), **TOL[dtype])
-    torch.testing.assert_close(silu_and_mul_ref(x), SiluAndMul()(x), atol=0, rtol=0)
+    # The layer's CPU path is the Rust kernel (its own exp), close to the reference, not bit-equal.
+    torch.testing.assert_close(SiluAndMul()(x), silu_and_mul_ref(x), **TOL[dtype])
 
 
 def test_bad_shapes_are_errors_naming_the_argument():

@@ -131,4 +131,5 @@ def test_gemma_rms_norm_matches_transformers_and_fuses_the_residual(dtype):
     x, residual = torch.randn(4, 16, dtype=dtype), torch.randn(4, 16, dtype=dtype)
     out, new_residual = norm(x, residual)
     assert torch.equal(new_residual, x + residual)
-    assert torch.equal(out, hf_norm(x + residual))
+    # On the CPU the norm is the Rust kernel, which sums the squares in its own order.
+    torch.testing.assert_close(out, hf_norm(x + residual))

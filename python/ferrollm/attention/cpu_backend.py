@@ -2,9 +2,11 @@
 against.
 
 Each request's keys and values are read through its block table, so requests never see each
-other's context. Decode rows (one query token) of a step are done together: their blocks are
-gathered into ``[num_decodes, max_seq_len, num_kv_heads, head_dim]``, padding is masked by
-``seq_lens``, and one batched call does the work. Prefill chunks, a few per step, run one
+other's context. Decode rows (one query token) of a step are done together. On the CPU, for fp32
+and bf16, the Rust kernel (`ferrollm.cpu_kernels.paged_decode`) reads each row's blocks where
+they lie; otherwise (and as that kernel's reference, `_decode_torch`) their blocks are gathered
+into ``[num_decodes, max_seq_len, num_kv_heads, head_dim]``, padding is masked by ``seq_lens``,
+and one batched call does the work. Prefill chunks, a few per step, run one
 request at a time to avoid padding every query to the longest chunk.
 
 The work goes to torch's fused CPU attention (`scaled_dot_product_attention`): on the
@@ -23,6 +25,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ferrollm import cpu_kernels
 from ferrollm.attention.backend import AttentionMetadata
 
 __all__ = ["NAME", "write_kv", "paged_attention"]
@@ -99,6 +102,13 @@ def paged_attention(
 
 def _decode(query, kv_cache, block_tables, seq_lens, max_seq_len, opts):
     """One query token per row; rows are batched. Returns ``[rows, num_heads, head_dim]``."""
+    if cpu_kernels.supports(query, kv_cache):
+        return cpu_kernels.paged_decode(query, kv_cache, block_tables, seq_lens, *opts)
+    return _decode_torch(query, kv_cache, block_tables, seq_lens, max_seq_len, opts)
+
+
+def _decode_torch(query, kv_cache, block_tables, seq_lens, max_seq_len, opts):
+    """`_decode` in torch ops: the reference the Rust kernel is tested against."""
     block_size = kv_cache.shape[2]
     num_blocks = -(-max_seq_len // block_size)
     keys, values = _gather(kv_cache, block_tables[:, :num_blocks])

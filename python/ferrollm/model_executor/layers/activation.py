@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ferrollm import cpu_kernels
 from ferrollm.exceptions import UnsupportedModelError
 
 __all__ = ["GeluAndMul", "QuickGELU", "SiluAndMul", "get_act_and_mul", "get_act_fn"]
@@ -22,6 +23,8 @@ class SiluAndMul(nn.Module):
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if cpu_kernels.supports(x):
+            return cpu_kernels.silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 

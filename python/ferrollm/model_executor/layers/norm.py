@@ -7,6 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ferrollm import cpu_kernels
+
 __all__ = ["GemmaRMSNorm", "LayerNorm", "RMSNorm"]
 
 
@@ -18,6 +20,9 @@ class RMSNorm(nn.Module):
         eps: added to the mean square.
         params_dtype: dtype of ``weight`` (default: torch's default dtype).
     """
+
+    # Gemma's flavour (`GemmaRMSNorm`), for the CPU kernel, which does both.
+    _gemma = False
 
     def __init__(self, hidden_size: int, eps: float = 1e-6, params_dtype: torch.dtype | None = None):
         super().__init__()
@@ -37,11 +42,19 @@ class RMSNorm(nn.Module):
             The normalised tensor; with a residual, ``(normalised, x + residual)`` so the decoder
             layer carries the sum on without a separate add.
         """
+        if cpu_kernels.supports(x, self.weight) and (residual is None or cpu_kernels.supports(x, residual)):
+            return self._normalize_cpu(x, residual)
         if residual is not None:
             x = x + residual
             residual = x
         out = self._normalize(x)
         return out if residual is None else (out, residual)
+
+    def _normalize_cpu(self, x: torch.Tensor, residual: torch.Tensor | None):
+        """`forward` in one pass of the Rust kernel (`ferrollm.cpu_kernels`)."""
+        if residual is None:
+            return cpu_kernels.rms_norm(x, self.weight, self.variance_epsilon, self._gemma)
+        return cpu_kernels.fused_add_rms_norm(x, residual, self.weight, self.variance_epsilon, self._gemma)
 
     def _normalize(self, x: torch.Tensor) -> torch.Tensor:
         h = x.float()
@@ -62,6 +75,8 @@ class GemmaRMSNorm(RMSNorm):
         eps: added to the mean square.
         params_dtype: dtype of ``weight``.
     """
+
+    _gemma = True
 
     def __init__(self, hidden_size: int, eps: float = 1e-6, params_dtype: torch.dtype | None = None):
         super().__init__(hidden_size, eps, params_dtype)

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ferrollm import cpu_kernels
 from ferrollm.exceptions import UnsupportedModelError
 
 __all__ = ["RotaryEmbedding", "get_rope", "rope_parameters"]
@@ -57,8 +58,13 @@ class RotaryEmbedding(nn.Module):
             key: ``[num_tokens, num_kv_heads * head_size]``.
 
         Returns:
-            Rotated ``(query, key)``, same shapes.
+            Rotated ``(query, key)``, same shapes (on the CPU, NeoX style, fp32/bf16: one Rust
+            kernel call each).
         """
+        if self.is_neox_style and cpu_kernels.rotary_supported(positions, self.cos_sin_cache, query, key):
+            dims = (self.head_size, self.rotary_dim)
+            return (cpu_kernels.rotary_neox(query, positions, self.cos_sin_cache, *dims),
+                    cpu_kernels.rotary_neox(key, positions, self.cos_sin_cache, *dims))
         cos, sin = self.cos_sin_cache.index_select(0, positions).chunk(2, dim=-1)
         return self._rotate(query, cos, sin), self._rotate(key, cos, sin)
 

@@ -1,0 +1,100 @@
+"""The Rust CPU kernels behind the layers (RMSNorm, SiLU-and-mul, NeoX rotary, paged decode
+attention) against the torch path each replaces, which stays their reference."""
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ferrollm import cpu_kernels
+from ferrollm.attention import cpu_backend
+from ferrollm.attention.backend import AttentionMetadata
+from ferrollm.exceptions import KernelError
+from ferrollm.model_executor.layers.activation import SiluAndMul
+from ferrollm.model_executor.layers.norm import GemmaRMSNorm, RMSNorm
+from ferrollm.model_executor.layers.rotary import RotaryEmbedding
+from helpers.paged_cases import build_case
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.supports(torch.zeros(1)),
+                                reason="torch runs on a thread pool other than OpenMP")
+DTYPES = [torch.float32, torch.bfloat16]
+# The two paths round in different places; in bf16 they agree to about one rounding step.
+TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
+
+
+def _randn(*shape, dtype, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("cls", [RMSNorm, GemmaRMSNorm])
+@pytest.mark.parametrize("rows", [1, 3, 400])  # 400 x 96 splits over the team
+def test_rms_norm_matches_the_torch_path(dtype, cls, rows):
+    norm = cls(96, eps=1e-5, params_dtype=dtype)
+    with torch.no_grad():
+        norm.weight.copy_(_randn(96, dtype=dtype, seed=1))
+    x, residual = _randn(rows, 96, dtype=dtype, seed=2), _randn(rows, 96, dtype=dtype, seed=3)
+    torch.testing.assert_close(norm(x), norm._normalize(x), **TOL[dtype])
+    out, new_residual = norm(x, residual)
+    assert torch.equal(new_residual, x + residual)
+    torch.testing.assert_close(out, norm._normalize(x + residual), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 5, 64])
+def test_silu_and_mul_matches_torch(dtype, rows):
+    x = _randn(rows, 2 * 600, dtype=dtype) * 4
+    gate, up = x.chunk(2, dim=-1)
+    torch.testing.assert_close(SiluAndMul()(x), F.silu(gate) * up, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rotary_dim", [64, 32])  # full and partial rotary
+@pytest.mark.parametrize("rows", [1, 40])  # 40 rows split over the team
+def test_rotary_rotates_the_strided_qkv_views(dtype, rotary_dim, rows):
+    rope = RotaryEmbedding(64, rotary_dim, 512, 10000.0, dtype=dtype)
+    qkv = _randn(rows, (4 + 2 + 2) * 64, dtype=dtype)
+    q, k, v = qkv.split([4 * 64, 2 * 64, 2 * 64], dim=-1)
+    positions = torch.randint(0, 512, (rows,), generator=torch.Generator().manual_seed(5))
+    cos, sin = rope.cos_sin_cache[positions].chunk(2, dim=-1)
+    want_q, want_k, before = rope._rotate(q, cos, sin), rope._rotate(k, cos, sin), qkv.clone()
+    assert cpu_kernels.rotary_supported(positions, rope.cos_sin_cache, q, k)
+    got_q, got_k = rope(positions, q, k)
+    torch.testing.assert_close(got_q, want_q, **TOL[dtype])
+    torch.testing.assert_close(got_k, want_k, **TOL[dtype])
+    assert torch.equal(qkv, before)  # the inputs are left as they were
+
+
+def _decode_case(dtype, rows, num_heads=6, num_kv_heads=2, seed=7):
+    rng = np.random.default_rng(seed)
+    specs = [(int(n), 1) for n in rng.integers(0, 90, rows)]
+    query, k, v, cache, step, _ = build_case(specs, 16, num_heads, num_kv_heads, 32, dtype, seed)
+    meta = AttentionMetadata.from_step(step, block_size=16)
+    cpu_backend.write_kv(k, v, cache, meta.slot_mapping)
+    return query, cache, meta
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 9])
+@pytest.mark.parametrize("window, cap", [(None, None), (24, None), (None, 5.0)])
+def test_paged_decode_matches_the_torch_path(dtype, rows, window, cap):
+    query, cache, meta = _decode_case(dtype, rows)
+    opts = (0.3, window, cap)
+    got = cpu_kernels.paged_decode(query, cache, meta.block_tables, meta.seq_lens, *opts)
+    want = cpu_backend._decode_torch(query, cache, meta.block_tables, meta.seq_lens, meta.max_seq_len, opts)
+    torch.testing.assert_close(got, want, **TOL[dtype])
+
+
+def test_paged_decode_refuses_a_block_id_outside_the_cache():
+    query, cache, meta = _decode_case(torch.float32, 2)
+    tables = meta.block_tables.clone()
+    tables[1, 0] = cache.shape[1] + 5
+    with pytest.raises(KernelError, match=r"`block_tables` must be a block id in 0\.\.\d+\. Given: \d+"):
+        cpu_kernels.paged_decode(query, cache, tables, meta.seq_lens, 0.3)
+
+
+def test_rotary_refuses_a_position_past_the_table():
+    rope = RotaryEmbedding(64, 64, 16, 10000.0, dtype=torch.float32)
+    q, k = torch.zeros(1, 64), torch.zeros(1, 64)
+    with pytest.raises(KernelError, match=r"`positions` must be in 0\.\.16\. Given: 16"):
+        rope(torch.tensor([16]), q, k)
