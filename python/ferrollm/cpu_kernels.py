@@ -133,10 +133,12 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 def rotary_supported(positions: torch.Tensor, cos_sin_cache: torch.Tensor, *xs: torch.Tensor) -> bool:
-    """Whether :func:`rotary_neox` takes each of ``xs``: 2-D with unit-stride rows (the query or
-    key part of a fused qkv output qualifies), int64 positions, a contiguous table."""
+    """Whether :func:`rotary_neox` takes each of ``xs``: 2-D with unit-stride, non-overlapping
+    rows (the query or key part of a fused qkv output qualifies), int64 positions, a contiguous
+    table."""
     return (positions.dtype == torch.int64 and cos_sin_cache.is_contiguous()
-            and all(x.dim() == 2 and x.stride(1) == 1 for x in xs) and supports(cos_sin_cache, *xs))
+            and all(x.dim() == 2 and x.stride(1) == 1 and x.stride(0) >= x.shape[1] for x in xs)
+            and supports(cos_sin_cache, *xs))
 
 
 def rotary_neox(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, head_size: int,

@@ -93,6 +93,20 @@ def test_paged_decode_refuses_a_block_id_outside_the_cache():
         cpu_kernels.paged_decode(query, cache, tables, meta.seq_lens, 0.3)
 
 
+def test_layouts_the_kernels_cannot_read_take_the_torch_path():
+    positions, table = torch.zeros(2, dtype=torch.int64), torch.zeros(16, 64)
+    assert not cpu_kernels.rotary_supported(positions, table, torch.zeros(1, 64).expand(2, 64))
+    assert not cpu_kernels.rotary_supported(positions, table, torch.zeros(64, 2).T)
+    assert not cpu_kernels.rotary_supported(positions.int(), table, torch.zeros(2, 64))
+    query, cache, meta = _decode_case(torch.float32, 2)
+    strided_cache = torch.stack([cache, cache], dim=2)[:, :, 0]  # same values, strided
+    got = cpu_backend._decode(query, strided_cache, meta.block_tables, meta.seq_lens, meta.max_seq_len,
+                              (0.3, None, None))
+    want = cpu_backend._decode_torch(query, cache, meta.block_tables, meta.seq_lens, meta.max_seq_len,
+                                     (0.3, None, None))
+    torch.testing.assert_close(got, want)
+
+
 def test_rotary_refuses_a_position_past_the_table():
     rope = RotaryEmbedding(64, 64, 16, 10000.0, dtype=torch.float32)
     q, k = torch.zeros(1, 64), torch.zeros(1, 64)
