@@ -26,8 +26,8 @@ import torch
 from ferrollm import _core
 from ferrollm.exceptions import KernelError
 
-__all__ = ["GEMV_MAX_ROWS", "fused_add_rms_norm", "gemv", "gemv_supported", "paged_decode", "rms_norm",
-           "rotary_neox", "rotary_supported", "silu_and_mul", "supports"]
+__all__ = ["GEMV_MAX_ROWS", "fused_add_rms_norm", "gemv", "gemv_supported", "paged_decode",
+           "paged_decode_supported", "rms_norm", "rotary_neox", "rotary_supported", "silu_and_mul", "supports"]
 
 # The kernel's limit (`gemv::MAX_ROWS`): from three rows on, oneDNN's blocked GEMM is as fast.
 GEMV_MAX_ROWS = 2
@@ -73,53 +73,61 @@ def supports(*tensors: torch.Tensor) -> bool:
 
 
 def gemv_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether :func:`gemv` takes ``x @ weight.T``: CPU tensors, both fp32 or both bf16, at most
-    :data:`GEMV_MAX_ROWS` rows, and torch's OpenMP team joined."""
+    """Whether :func:`gemv` takes ``x @ weight.T``: at most :data:`GEMV_MAX_ROWS` rows, a
+    contiguous weight, and tensors :func:`supports` takes."""
     # A strided weight (a view) would be copied whole on every call: leave it to torch.
     return (x.dim() == 2 and 0 < x.shape[0] <= GEMV_MAX_ROWS and weight.dim() == 2
-            and weight.is_contiguous() and x.device.type == "cpu" and weight.device.type == "cpu"
-            and x.dtype in _NAMES and weight.dtype == x.dtype and _joined_openmp())
+            and weight.is_contiguous() and supports(x, weight))
+
+
+def paged_decode_supported(query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+    """Whether :func:`paged_decode` takes these: it reads the cache in place, so the cache must be
+    the whole contiguous allocation, and tensors :func:`supports` takes."""
+    return kv_cache.is_contiguous() and supports(query, kv_cache)
+
+
+def _buf(t: torch.Tensor) -> tuple[int, int]:
+    # Only an address: the caller keeps `t` referenced until the kernel returns (a temporary made
+    # by `.contiguous()` inside the call's arguments would be freed before the kernel reads it).
+    return t.data_ptr(), t.numel()
+
+
+def _threads() -> int:
+    """Threads a kernel may split over: torch's, once its OpenMP team is joined (a kernel called
+    before any ``*supported`` check would otherwise run on the calling thread alone)."""
+    _joined_openmp()
+    return torch.get_num_threads()
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T + bias`` for ``x``: ``[rows, in]``, ``weight``: ``[out, in]``, streaming
     ``weight`` once on torch's threads. Accumulates in float32 and rounds once to ``x``'s dtype.
     Call only where :func:`gemv_supported` holds."""
-    _joined_openmp()
     x = x.contiguous()
     rows, in_features = x.shape
     out = x.new_empty((rows, weight.shape[0]))
-    bias_buf = None
-    if bias is not None:
-        bias = bias.to(x.dtype).contiguous()
-        bias_buf = (bias.data_ptr(), bias.numel())
-    _core.cpu_gemv(_NAMES[x.dtype], (x.data_ptr(), x.numel()), (weight.data_ptr(), weight.numel()),
-                   bias_buf, (out.data_ptr(), out.numel()), rows, weight.shape[0], in_features,
-                   torch.get_num_threads())
+    bias = None if bias is None else bias.to(x.dtype).contiguous()
+    _core.cpu_gemv(_NAMES[x.dtype], _buf(x), _buf(weight), None if bias is None else _buf(bias), _buf(out),
+                   rows, weight.shape[0], in_features, _threads())
     return out
-
-
-def _buf(t: torch.Tensor) -> tuple[int, int]:
-    return t.data_ptr(), t.numel()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool = False) -> torch.Tensor:
     """RMSNorm of ``x`` (``[..., hidden]``) as ``layers.norm.RMSNorm`` computes it; ``gemma``
     scales by ``1 + weight`` (``GemmaRMSNorm``)."""
-    x = x.contiguous()
+    x, weight = x.contiguous(), weight.contiguous()
     out = torch.empty_like(x)
-    _core.cpu_rms_norm(_NAMES[x.dtype], _buf(x), _buf(weight.contiguous()), eps, gemma, _buf(out),
-                       torch.get_num_threads())
+    _core.cpu_rms_norm(_NAMES[x.dtype], _buf(x), _buf(weight), eps, gemma, _buf(out), _threads())
     return out
 
 
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
                        gemma: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``(rms_norm(x + residual), x + residual)`` in one pass."""
-    x, residual = x.contiguous(), residual.contiguous()
+    x, residual, weight = x.contiguous(), residual.contiguous(), weight.contiguous()
     out, new_residual = torch.empty_like(x), torch.empty_like(x)
-    _core.cpu_rms_norm(_NAMES[x.dtype], _buf(x), _buf(weight.contiguous()), eps, gemma, _buf(out),
-                       torch.get_num_threads(), _buf(residual), _buf(new_residual))
+    _core.cpu_rms_norm(_NAMES[x.dtype], _buf(x), _buf(weight), eps, gemma, _buf(out),
+                       _threads(), _buf(residual), _buf(new_residual))
     return out, new_residual
 
 
@@ -128,7 +136,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     x = x.contiguous()
     width = x.shape[-1] // 2
     out = x.new_empty((*x.shape[:-1], width))
-    _core.cpu_silu_and_mul(_NAMES[x.dtype], _buf(x), width, _buf(out), torch.get_num_threads())
+    _core.cpu_silu_and_mul(_NAMES[x.dtype], _buf(x), width, _buf(out), _threads())
     return out
 
 
@@ -151,9 +159,10 @@ def rotary_neox(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.T
     if rows == 0:
         return out
     span = (rows - 1) * x.stride(0) + width
-    _core.cpu_rotary_neox(_NAMES[x.dtype], (x.data_ptr(), span), _buf(positions.contiguous()), _buf(cos_sin_cache),
+    positions = positions.contiguous()
+    _core.cpu_rotary_neox(_NAMES[x.dtype], (x.data_ptr(), span), _buf(positions), _buf(cos_sin_cache),
                           _buf(out), rows, x.stride(0), width // head_size, head_size, rotary_dim,
-                          torch.get_num_threads())
+                          _threads())
     return out
 
 
@@ -172,6 +181,8 @@ def paged_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
 
     Returns:
         ``[rows, num_heads, head_dim]`` in ``query``'s dtype.
+
+    Call only where :func:`paged_decode_supported` holds.
     """
     query = query.contiguous()
     out = torch.empty_like(query)
@@ -180,5 +191,5 @@ def paged_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
     _, _, block_size, kv_heads, head_dim = kv_cache.shape
     _core.cpu_paged_decode(_NAMES[query.dtype], _buf(query), _buf(kv_cache[0]), _buf(kv_cache[1]), _buf(tables),
                            _buf(lens), _buf(out), query.shape[1], kv_heads, head_dim, block_size,
-                           tables.shape[1], scale, torch.get_num_threads(), sliding_window, soft_cap)
+                           tables.shape[1], scale, _threads(), sliding_window, soft_cap)
     return out

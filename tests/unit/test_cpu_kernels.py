@@ -96,3 +96,10 @@ def test_bad_buffers_raise_kernel_error_naming_the_parameter():
         _core.cpu_gemv("float16", buf(x), buf(weight), None, buf(out), 1, 4, 8, 1)
     with pytest.raises(KernelError, match=r"not loaded in this process"):
         _core.cpu_openmp_attach("/nonexistent/libgomp.so.1")
+
+
+@needs_openmp
+def test_a_strided_bias_is_read_from_a_copy_that_outlives_the_call():
+    x, weight, _ = _case(torch.float32, 1, 40, 96, False)
+    bias = torch.randn(40, 2)[:, 0]  # not contiguous: the wrapper copies it
+    torch.testing.assert_close(cpu_kernels.gemv(x, weight, bias), F.linear(x, weight, bias), rtol=1e-5, atol=1e-4)

@@ -102,8 +102,7 @@ def paged_attention(
 
 def _decode(query, kv_cache, block_tables, seq_lens, max_seq_len, opts):
     """One query token per row; rows are batched. Returns ``[rows, num_heads, head_dim]``."""
-    # The kernel reads the cache in place, so it must be the whole contiguous allocation.
-    if kv_cache.is_contiguous() and cpu_kernels.supports(query, kv_cache):
+    if cpu_kernels.paged_decode_supported(query, kv_cache):
         return cpu_kernels.paged_decode(query, kv_cache, block_tables, seq_lens, *opts)
     return _decode_torch(query, kv_cache, block_tables, seq_lens, max_seq_len, opts)
 
