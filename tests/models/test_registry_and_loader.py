@@ -97,3 +97,57 @@ def test_readme_lists_exactly_the_registered_architectures():
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     block = readme.split("<!-- architectures:start -->\n")[1].split("<!-- architectures:end -->")[0]
     assert block == architectures_markdown(), "run: python -m ferrollm.model_executor.registry README.md"
+
+
+def _mapped_file(tensor: torch.Tensor) -> str | None:
+    """The file whose mapping holds ``tensor``'s memory, from /proc/self/maps (None: anonymous)."""
+    address = tensor.data_ptr()
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split()
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            if start <= address < end:
+                return fields[5] if len(fields) > 5 else None
+    return None
+
+
+def _checkpoint_file(llama_dir) -> str:
+    return str((llama_dir / "model.safetensors").resolve())
+
+
+def test_whole_tensors_keep_the_checkpoint_mapping_and_fused_ones_are_copied(llama_dir):
+    model = get_model(config_of(llama_dir), torch.float32, iterate_safetensors(llama_dir))
+    layer = model.model.layers[0]
+    assert _mapped_file(layer.mlp.down_proj.weight) == _checkpoint_file(llama_dir)
+    assert _mapped_file(layer.input_layernorm.weight) == _checkpoint_file(llama_dir)
+    assert _mapped_file(layer.self_attn.qkv_proj.weight) != _checkpoint_file(llama_dir)
+    stored = dict(iterate_safetensors(llama_dir))
+    for name, param in model.named_parameters():
+        if name in stored:
+            assert torch.equal(param, stored[name]), name
+
+
+def test_writes_to_a_shared_weight_stay_in_the_process(llama_dir):
+    model = get_model(config_of(llama_dir), torch.float32, iterate_safetensors(llama_dir))
+    name = "model.layers.0.mlp.down_proj.weight"
+    before = dict(iterate_safetensors(llama_dir))[name].clone()
+    with torch.no_grad():
+        model.get_parameter(name).fill_(7.0)
+    assert torch.equal(dict(iterate_safetensors(llama_dir))[name], before)
+    assert (llama_dir / "model.safetensors").stat().st_size > 0
+
+
+@pytest.mark.parametrize("how", ["caller's tensors", "switched off", "other dtype"])
+def test_weights_are_copied_when_they_may_not_be_shared(llama_dir, monkeypatch, how):
+    dtype = torch.bfloat16 if how == "other dtype" else torch.float32
+    weights = iterate_safetensors(llama_dir)
+    if how == "caller's tensors":
+        weights = [(k, v.clone()) for k, v in weights]
+    if how == "switched off":
+        monkeypatch.setenv("FERROLLM_SHARE_CHECKPOINT_MEMORY", "0")
+    model = get_model(config_of(llama_dir), dtype, weights)
+    down = model.model.layers[0].mlp.down_proj.weight
+    assert _mapped_file(down) != _checkpoint_file(llama_dir)
+    if how == "caller's tensors":
+        source = dict(weights)["model.layers.0.mlp.down_proj.weight"]
+        assert down.data_ptr() != source.data_ptr() and torch.equal(down, source)

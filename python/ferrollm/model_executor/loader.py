@@ -17,7 +17,7 @@ from transformers import PretrainedConfig
 from ferrollm.exceptions import CheckpointError, UnsupportedModelError
 from ferrollm.model_executor.layers.cpu_gemm import onednn_enabled, pack_linear_weights
 from ferrollm.model_executor.registry import ModelRegistry
-from ferrollm.model_executor.weight_utils import LazyTensor
+from ferrollm.model_executor.weight_utils import LazyTensor, shareable
 
 __all__ = ["build_model", "get_model", "gguf_to_hf_name", "iterate_safetensors", "load_gguf", "load_model"]
 
@@ -36,7 +36,9 @@ def iterate_safetensors(folder: str | Path, lazy: bool = False) -> Iterator[tupl
             slice (a tensor-parallel rank then reads only what it keeps).
 
     Yields:
-        ``(name, tensor)`` with the checkpoint's names and dtypes.
+        ``(name, tensor)`` with the checkpoint's names and dtypes. The tensors are views of the
+        file's private, copy-on-write mapping, marked :func:`shareable`: parameters filled whole
+        from them keep the mapping instead of a copy.
 
     Raises:
         CheckpointError: if the folder has no safetensors files.
@@ -51,7 +53,7 @@ def iterate_safetensors(folder: str | Path, lazy: bool = False) -> Iterator[tupl
                     handle = f.get_slice(name)
                     yield name, LazyTensor(handle, tuple(handle.get_shape()))  # type: ignore[misc]
                 else:
-                    yield name, f.get_tensor(name)
+                    yield name, shareable(f.get_tensor(name))
 
 
 def _safetensors_files(folder: Path) -> list[Path]:
@@ -152,7 +154,7 @@ def _iterate_gguf(path: Path, config: PretrainedConfig) -> Iterator[tuple[str, t
         array = np.asarray(array, dtype=np.float32)
         if not array.flags.writeable:
             array = array.copy()
-        weight = torch.from_numpy(array)
+        weight = shareable(torch.from_numpy(array))
         if arch in _GGUF_PERMUTED_ARCHS:
             weight = _unpermute_qk(tensor.name, weight, config)
         yield hf_name, weight

@@ -23,7 +23,7 @@ from ferrollm.distributed import (
 )
 from ferrollm.exceptions import CheckpointError, ConfigError
 from ferrollm.model_executor.layers.cpu_gemm import PackedWeight, linear
-from ferrollm.model_executor.weight_utils import copy_weight
+from ferrollm.model_executor.weight_utils import copy_weight, share_or_copy
 
 __all__ = [
     "ColumnParallelLinear",
@@ -120,7 +120,7 @@ class ReplicatedLinear(LinearBase):
         self._create_params((output_size, input_size), output_size)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
-        copy_weight(param.data, loaded_weight)
+        share_or_copy(param, loaded_weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._matmul(x, self.bias)
@@ -292,8 +292,10 @@ class RowParallelLinear(LinearBase):
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
         """Copies columns ``[rank * n, (rank + 1) * n)`` of the weight; the bias whole."""
         if param.dim() == 1:
-            return copy_weight(param.data, loaded_weight, "bias")
+            return share_or_copy(param, loaded_weight, "bias")
         _check_full_size(loaded_weight, 1, self.input_size, "row-parallel weight")
+        if self.tp_size == 1:
+            return share_or_copy(param, loaded_weight)
         size = param.shape[1]
         copy_weight(param.data, loaded_weight.narrow(1, self.tp_rank * size, size))
 

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ferrollm.model_executor.weight_utils import copy_weight
+from ferrollm.model_executor.weight_utils import share_or_copy
 
 __all__ = ["LearnedPositionEmbedding"]
 
@@ -37,7 +37,7 @@ class LearnedPositionEmbedding(nn.Module):
         self.weight.weight_loader = self.weight_loader
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
-        copy_weight(param.data, loaded_weight, "position embedding table")
+        share_or_copy(param, loaded_weight, "position embedding table")
 
     def forward(self, positions: torch.Tensor) -> torch.Tensor:
         """``[num_tokens]`` int64 positions -> ``[num_tokens, embedding_dim]``."""

@@ -19,7 +19,7 @@ from ferrollm.distributed import (
     tensor_model_parallel_all_reduce,
 )
 from ferrollm.model_executor.layers.cpu_gemm import PackedWeight, linear
-from ferrollm.model_executor.weight_utils import check_shape, copy_weight
+from ferrollm.model_executor.weight_utils import check_shape, copy_weight, share_or_copy
 
 __all__ = ["DEFAULT_VOCAB_PADDING_SIZE", "ParallelLMHead", "VocabParallelEmbedding", "pad_vocab_size"]
 
@@ -63,6 +63,8 @@ class VocabParallelEmbedding(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
         """Copies this rank's rows of the full ``[vocab, hidden]`` table; zeros the padding."""
         check_shape((self.org_vocab_size, self.embedding_dim), loaded_weight, "vocabulary table")
+        if self.tp_size == 1 and self.num_embeddings_padded == self.org_vocab_size:
+            return share_or_copy(param, loaded_weight, "vocabulary table")
         num_rows = max(0, min(self.org_vocab_size, self.vocab_end_index) - self.vocab_start_index)
         copy_weight(param.data[:num_rows], loaded_weight.narrow(0, self.vocab_start_index, num_rows))
         param.data[num_rows:].zero_()
