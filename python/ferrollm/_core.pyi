@@ -22,6 +22,7 @@ __all__ = [
     "cpu_rms_norm",
     "cpu_rotary_neox",
     "cpu_silu_and_mul",
+    "cpu_write_kv",
 ]
 __version__: str
 
@@ -308,4 +309,16 @@ def cpu_rotary_neox(
     head_size: int,
     rotary_dim: int,
     threads: int,
+) -> None: ...
+def cpu_write_kv(
+    dtype: str,
+    key: _Buffer,
+    value: _Buffer,
+    slot_mapping: _Buffer,
+    key_cache: _Buffer,
+    value_cache: _Buffer,
+    tokens: int,
+    width: int,
+    key_stride: int,
+    value_stride: int,
 ) -> None: ...

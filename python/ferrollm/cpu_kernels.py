@@ -27,7 +27,8 @@ from ferrollm import _core
 from ferrollm.exceptions import KernelError
 
 __all__ = ["GEMV_MAX_ROWS", "fused_add_rms_norm", "gemv", "gemv_supported", "paged_decode",
-           "paged_decode_supported", "rms_norm", "rotary_neox", "rotary_supported", "silu_and_mul", "supports"]
+           "paged_decode_supported", "rms_norm", "rotary_neox", "rotary_supported", "silu_and_mul", "supports",
+           "write_kv", "write_kv_supported"]
 
 # The kernel's limit (`gemv::MAX_ROWS`): from three rows on, oneDNN's blocked GEMM is as fast.
 GEMV_MAX_ROWS = 2
@@ -67,9 +68,14 @@ def _loaded_libraries() -> list[str]:
 def supports(*tensors: torch.Tensor) -> bool:
     """Whether the kernels take these tensors: on the CPU, all fp32 or all bf16, with torch's
     OpenMP team joined."""
+    # Called ~10 times per layer per step: plain loop and `is_cpu`, no generator or device object.
     dtype = tensors[0].dtype
-    return (dtype in _NAMES and all(t.device.type == "cpu" and t.dtype == dtype for t in tensors)
-            and _joined_openmp())
+    if dtype not in _NAMES:
+        return False
+    for t in tensors:
+        if not t.is_cpu or t.dtype != dtype:
+            return False
+    return _joined_openmp()
 
 
 def gemv_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -158,12 +164,39 @@ def rotary_neox(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.T
     out = x.new_empty((rows, width))
     if rows == 0:
         return out
-    span = (rows - 1) * x.stride(0) + width
     positions = positions.contiguous()
-    _core.cpu_rotary_neox(_NAMES[x.dtype], (x.data_ptr(), span), _buf(positions), _buf(cos_sin_cache),
+    _core.cpu_rotary_neox(_NAMES[x.dtype], _rows(x, width), _buf(positions), _buf(cos_sin_cache),
                           _buf(out), rows, x.stride(0), width // head_size, head_size, rotary_dim,
                           _threads())
     return out
+
+
+def write_kv_supported(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                       slot_mapping: torch.Tensor) -> bool:
+    """Whether :func:`write_kv` takes these: keys and values ``[tokens, kv_heads, head_dim]`` whose
+    rows may be strided but whose heads are contiguous, of the cache's dtype; the whole contiguous
+    cache; int64 slots."""
+    return (kv_cache.is_contiguous() and slot_mapping.dtype == torch.int64
+            and all(t.dim() == 3 and t.stride(2) == 1 and t.stride(1) == t.shape[2]
+                    and t.stride(0) >= t.shape[1] * t.shape[2] for t in (key, value))
+            and supports(kv_cache, key, value))
+
+
+def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Writes token ``i``'s keys and values to slot ``slot_mapping[i]`` of one layer's cache
+    (``[2, num_blocks, block_size, kv_heads, head_dim]``), as ``attention.cpu_backend.write_kv``
+    does. Call only where :func:`write_kv_supported` holds."""
+    tokens, heads, head_dim = key.shape
+    width = heads * head_dim
+    slots = slot_mapping.contiguous()
+    key_cache, value_cache = kv_cache[0], kv_cache[1]
+    _core.cpu_write_kv(_NAMES[key.dtype], _rows(key, width), _rows(value, width), _buf(slots),
+                       _buf(key_cache), _buf(value_cache), tokens, width, key.stride(0), value.stride(0))
+
+
+def _rows(t: torch.Tensor, width: int) -> tuple[int, int]:
+    """The span of a tensor whose rows (dim 0) are ``t.stride(0)`` apart and ``width`` long."""
+    return t.data_ptr(), 0 if len(t) == 0 else (len(t) - 1) * t.stride(0) + width
 
 
 def paged_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,

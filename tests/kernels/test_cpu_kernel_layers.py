@@ -1,5 +1,5 @@
-"""The Rust CPU kernels behind the layers (RMSNorm, SiLU-and-mul, NeoX rotary, paged decode
-attention) against the torch path each replaces, which stays their reference."""
+"""The Rust CPU kernels behind the layers (RMSNorm, SiLU-and-mul, NeoX rotary, the KV write,
+paged decode attention) against the torch path each replaces, which stays their reference."""
 
 import numpy as np
 import pytest
@@ -112,3 +112,48 @@ def test_rotary_refuses_a_position_past_the_table():
     q, k = torch.zeros(1, 64), torch.zeros(1, 64)
     with pytest.raises(KernelError, match=r"`positions` must be in 0\.\.16\. Given: 16"):
         rope(torch.tensor([16]), q, k)
+
+
+def _kv_write_case(dtype, tokens, kv_heads=2, head_dim=16, num_blocks=6, block_size=4):
+    """A fused qkv output's key and value views and a slot per token, no two alike."""
+    qkv = _randn(tokens, (4 + 2 * kv_heads) * head_dim, dtype=dtype, seed=11)
+    _, key, value = qkv.split([4 * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    key = key.contiguous().view(tokens, kv_heads, head_dim)  # rotary's output: contiguous
+    value = value.view(tokens, kv_heads, head_dim)  # still rows of qkv: strided
+    slots = torch.randperm(num_blocks * block_size, generator=torch.Generator().manual_seed(3))[:tokens]
+    cache = _randn(2, num_blocks, block_size, kv_heads, head_dim, dtype=dtype, seed=12)
+    return key, value, cache, slots
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", [0, 1, 17])
+def test_write_kv_matches_the_torch_path(dtype, tokens):
+    key, value, cache, slots = _kv_write_case(dtype, tokens)
+    assert cpu_kernels.write_kv_supported(key, value, cache, slots)
+    want = cache.clone()
+    cpu_backend._write_kv_torch(key, value, want, slots)
+    cpu_backend.write_kv(key, value, cache, slots)
+    assert torch.equal(cache, want)
+
+
+def test_write_kv_refuses_a_slot_outside_the_cache_and_writes_nothing():
+    key, value, cache, slots = _kv_write_case(torch.float32, 3)
+    slots[1] = cache[0].numel() // (2 * 16)  # one past the last slot
+    before = cache.clone()
+    with pytest.raises(KernelError, match=r"`slot_mapping` must be between 0 and 23\. Given: 24"):
+        cpu_kernels.write_kv(key, value, cache, slots)
+    assert torch.equal(cache, before)
+
+
+def test_write_kv_leaves_other_layouts_to_torch():
+    key, value, cache, slots = _kv_write_case(torch.float32, 5)
+    assert not cpu_kernels.write_kv_supported(key, value, cache.half(), slots)  # other dtype
+    assert not cpu_kernels.write_kv_supported(key, value, cache, slots.int())
+    assert not cpu_kernels.write_kv_supported(key.transpose(1, 2), value, cache, slots)  # strided heads
+    strided_cache = torch.stack([cache, cache], dim=2)[:, :, 0]
+    assert not cpu_kernels.write_kv_supported(key, value, strided_cache, slots)
+    want = cache.half().clone()
+    cpu_backend._write_kv_torch(key, value, want, slots)
+    got = cache.half().clone()
+    cpu_backend.write_kv(key, value, got, slots)  # converts, as the torch path always did
+    assert torch.equal(got, want)

@@ -44,6 +44,13 @@ def write_kv(
         kv_cache: one layer's cache, ``[2, num_blocks, block_size, num_kv_heads, head_dim]``.
         slot_mapping: int64 ``[num_tokens]``, flat slot ``block_id * block_size + offset``.
     """
+    if cpu_kernels.write_kv_supported(key, value, kv_cache, slot_mapping):
+        return cpu_kernels.write_kv(key, value, kv_cache, slot_mapping)
+    _write_kv_torch(key, value, kv_cache, slot_mapping)
+
+
+def _write_kv_torch(key, value, kv_cache, slot_mapping):
+    """`write_kv` in torch ops: the reference the Rust kernel is tested against."""
     num_kv_heads, head_dim = kv_cache.shape[-2:]
     # kv_cache[i] is a contiguous slab, so this view aliases the cache.
     kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(kv_cache.dtype))

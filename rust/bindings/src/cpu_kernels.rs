@@ -7,6 +7,7 @@
 //! every length against the shape they are given.
 
 use ferrollm_kernels::attention::{paged_decode, DecodeInputs, DecodeOptions, DecodeShape};
+use ferrollm_kernels::cache::{write_kv, CacheWriteShape};
 use ferrollm_kernels::gemv::{gemv, GemvShape};
 use ferrollm_kernels::norm::{fused_add_rms_norm, rms_norm, RmsNormWeight};
 use ferrollm_kernels::rotary::{rotate_neox, RotaryShape};
@@ -201,5 +202,34 @@ pub fn cpu_rotary_neox(
         let (x, positions, cos_sin, out) =
             unsafe { (view::<T>(x), view::<i64>(positions), view::<T>(cos_sin), view_mut::<T>(out)) };
         py.detach(|| rotate_neox(x, positions, cos_sin, out, shape, threads)).map_err(kernel_error)
+    })
+}
+
+/// Writes token `i`'s keys and values (rows `key_stride`/`value_stride` apart) to slot
+/// `slot_mapping[i]` of the key and value caches (`[slots, width]` each).
+#[pyfunction]
+#[pyo3(signature = (dtype, key, value, slot_mapping, key_cache, value_cache, tokens, width, key_stride, value_stride))]
+#[allow(clippy::too_many_arguments)]
+pub fn cpu_write_kv(
+    py: Python<'_>,
+    dtype: &str,
+    key: Buffer,
+    value: Buffer,
+    slot_mapping: Buffer,
+    key_cache: Buffer,
+    value_cache: Buffer,
+    tokens: usize,
+    width: usize,
+    key_stride: usize,
+    value_stride: usize,
+) -> PyResult<()> {
+    let shape = CacheWriteShape { tokens, width, key_stride, value_stride };
+    by_dtype!(dtype, T => {
+        // SAFETY: see the module doc; `key`/`value` may be strided views, the caches are the two
+        // disjoint halves of one layer's cache, which no input aliases.
+        let (key, value, slots, key_cache, value_cache) = unsafe {
+            (view::<T>(key), view::<T>(value), view::<i64>(slot_mapping), view_mut::<T>(key_cache), view_mut::<T>(value_cache))
+        };
+        py.detach(|| write_kv(key, value, slots, key_cache, value_cache, shape)).map_err(kernel_error)
     })
 }

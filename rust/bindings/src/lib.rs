@@ -24,6 +24,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<broadcast::PyStepReceiver>()?;
     m.add_function(wrap_pyfunction!(cpu_kernels::cpu_openmp_attach, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_kernels::cpu_gemv, m)?)?;
+    m.add_function(wrap_pyfunction!(cpu_kernels::cpu_write_kv, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_kernels::cpu_paged_decode, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_kernels::cpu_rms_norm, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_kernels::cpu_silu_and_mul, m)?)?;

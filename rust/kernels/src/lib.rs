@@ -8,6 +8,7 @@
 //!   path does in a chain of small ops (RMSNorm with the residual add, `silu(gate) * up`, NeoX
 //!   rotary in place, paged decode attention read straight from the block table). At a few rows
 //!   the chain's cost is its dispatches: ~0.5 ms per layer of a batch-1 Qwen2-0.5B step.
+//! - [`cache`]: the step's keys and values into their KV cache slots, for the same reason.
 //!
 //! The kernels split rows over the OpenMP team of the process they live in ([`openmp`]), the
 //! same threads torch runs its ops on, instead of a pool of their own: two pools on the same cores
@@ -19,6 +20,7 @@
 
 pub mod activation;
 pub mod attention;
+pub mod cache;
 mod element;
 mod error;
 pub mod gemv;
