@@ -169,12 +169,11 @@ def share_or_copy(param: nn.Parameter, src: torch.Tensor, what: str = "weight") 
     Raises:
         CheckpointError: if the shapes differ.
     """
+    if not _can_share(param, src):
+        return copy_weight(param.data, src, what)
     check_shape(param.shape, src, what)
-    if _can_share(param, src):
-        with torch.no_grad():
-            param.set_(src)
-    else:
-        copy_weight(param.data, src, what)
+    with torch.no_grad():
+        param.set_(src)
 
 
 def _can_share(param: nn.Parameter, src: torch.Tensor) -> bool:

@@ -42,7 +42,7 @@ class RMSNorm(nn.Module):
             The normalised tensor; with a residual, ``(normalised, x + residual)`` so the decoder
             layer carries the sum on without a separate add.
         """
-        if cpu_kernels.supports(x, self.weight) and (residual is None or cpu_kernels.supports(x, residual)):
+        if cpu_kernels.supports(x, self.weight, *(() if residual is None else (residual,))):
             return self._normalize_cpu(x, residual)
         if residual is not None:
             x = x + residual
