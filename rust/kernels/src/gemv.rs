@@ -7,6 +7,7 @@
 
 use crate::element::Element;
 use crate::error::check_len;
+use crate::simd::SimdElement;
 use crate::{openmp, simd, KernelError};
 
 /// Most rows of `x` per call. Measured on a decode step's weights (fp32, 2 threads): one row
@@ -25,7 +26,7 @@ pub struct GemvShape {
 
 /// `out[r, n] = Σ_k x[r, k] · weight[n, k] + bias[n]`, in f32 and rounded once to `T`, split over
 /// up to `threads` threads of the OpenMP team (see [`openmp`]).
-pub fn gemv<T: Element + Weight>(
+pub fn gemv<T: SimdElement>(
     x: &[T],
     weight: &[T],
     bias: Option<&[T]>,
@@ -59,17 +60,6 @@ pub fn gemv<T: Element + Weight>(
     Ok(())
 }
 
-/// A weight element type the kernel streams.
-#[cfg(target_arch = "x86_64")]
-pub trait Weight: simd::Lanes {}
-#[cfg(target_arch = "x86_64")]
-impl<T: simd::Lanes> Weight for T {}
-/// A weight element type the kernel streams.
-#[cfg(not(target_arch = "x86_64"))]
-pub trait Weight: Element {}
-#[cfg(not(target_arch = "x86_64"))]
-impl<T: Element> Weight for T {}
-
 struct Job<'a, T> {
     x: &'a [f32],
     weight: &'a [T],
@@ -77,7 +67,7 @@ struct Job<'a, T> {
     shape: GemvShape,
 }
 
-impl<T: Element + Weight> Job<'_, T> {
+impl<T: SimdElement> Job<'_, T> {
     /// # Safety
     /// `out` must address `rows * out_features` elements, of which no other thread writes the
     /// columns in `span`.
@@ -103,7 +93,7 @@ impl<T: Element + Weight> Job<'_, T> {
 
 /// `[row · x[0], …, row · x[M-1]]`, `x` holding `M` rows as long as `row`.
 #[inline]
-fn dot_rows<T: Element + Weight, const M: usize>(row: &[T], x: &[f32]) -> [f32; M] {
+fn dot_rows<T: SimdElement, const M: usize>(row: &[T], x: &[f32]) -> [f32; M] {
     #[cfg(target_arch = "x86_64")]
     if simd::has_avx2_fma() {
         // SAFETY: the CPU has AVX2 and FMA; `x` holds `M` rows of `row.len()`.
@@ -121,7 +111,7 @@ fn dot_rows_plain<T: Element, const M: usize>(row: &[T], x: &[f32]) -> [f32; M] 
 /// other; the tail of `k` past a multiple of 16 goes element by element.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn dot_rows_avx2<T: Weight, const M: usize>(row: &[T], x: &[f32]) -> [f32; M] {
+unsafe fn dot_rows_avx2<T: SimdElement, const M: usize>(row: &[T], x: &[f32]) -> [f32; M] {
     use std::arch::x86_64::*;
     let k = row.len();
     let (w, xs) = (row.as_ptr(), x.as_ptr());

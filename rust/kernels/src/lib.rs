@@ -31,3 +31,4 @@ mod simd;
 
 pub use element::{Bf16, Element};
 pub use error::KernelError;
+pub use simd::SimdElement;

@@ -12,6 +12,18 @@ use crate::element::Element;
 #[cfg(target_arch = "x86_64")]
 pub(crate) use x86::*;
 
+/// An element type the vectorized kernels load (`f32` and [`crate::Bf16`]); sealed, since the
+/// loads are written per type.
+#[cfg(target_arch = "x86_64")]
+pub trait SimdElement: Lanes {}
+#[cfg(target_arch = "x86_64")]
+impl<T: Lanes> SimdElement for T {}
+/// An element type the vectorized kernels load.
+#[cfg(not(target_arch = "x86_64"))]
+pub trait SimdElement: Element {}
+#[cfg(not(target_arch = "x86_64"))]
+impl<T: Element> SimdElement for T {}
+
 /// Lanes of one accumulator array: two AVX2 registers of f32, so two FMA chains are in flight.
 const LANES: usize = 16;
 
