@@ -65,10 +65,10 @@ def test_rotary_rotates_the_strided_qkv_views(dtype, rotary_dim, rows):
     assert torch.equal(qkv, before)  # the inputs are left as they were
 
 
-def _decode_case(dtype, rows, num_heads=6, num_kv_heads=2, seed=7):
+def _decode_case(dtype, rows, num_heads=6, num_kv_heads=2, head_dim=32, seed=7):
     rng = np.random.default_rng(seed)
     specs = [(int(n), 1) for n in rng.integers(0, 90, rows)]
-    query, k, v, cache, step, _ = build_case(specs, 16, num_heads, num_kv_heads, 32, dtype, seed)
+    query, k, v, cache, step, _ = build_case(specs, 16, num_heads, num_kv_heads, head_dim, dtype, seed)
     meta = AttentionMetadata.from_step(step, block_size=16)
     cpu_backend.write_kv(k, v, cache, meta.slot_mapping)
     return query, cache, meta
@@ -80,6 +80,18 @@ def _decode_case(dtype, rows, num_heads=6, num_kv_heads=2, seed=7):
 def test_paged_decode_matches_the_torch_path(dtype, rows, window, cap):
     query, cache, meta = _decode_case(dtype, rows)
     opts = (0.3, window, cap)
+    got = cpu_kernels.paged_decode(query, cache, meta.block_tables, meta.seq_lens, *opts)
+    want = cpu_backend._decode_torch(query, cache, meta.block_tables, meta.seq_lens, meta.max_seq_len, opts)
+    torch.testing.assert_close(got, want, **TOL[dtype])
+
+
+# (num_heads, num_kv_heads, head_dim): grouped heads in value passes of 4 + 3 and 4 + 4, one head
+# per KV head, and a head size the AVX2 kernel leaves to the portable one (not a multiple of 16).
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads", [(14, 2, 64), (16, 2, 128), (4, 4, 64), (8, 1, 40)])
+def test_paged_decode_matches_the_torch_path_across_head_layouts(dtype, heads):
+    query, cache, meta = _decode_case(dtype, 7, *heads)
+    opts = (heads[2] ** -0.5, None, None)
     got = cpu_kernels.paged_decode(query, cache, meta.block_tables, meta.seq_lens, *opts)
     want = cpu_backend._decode_torch(query, cache, meta.block_tables, meta.seq_lens, meta.max_seq_len, opts)
     torch.testing.assert_close(got, want, **TOL[dtype])

@@ -2,14 +2,19 @@
 //! keys and values where they sit in the block-paged cache.
 //!
 //! The torch path gathers every row's blocks into a padded `[rows, max_len, kv_heads, dim]` copy,
-//! converts it to f32 and masks the padding; here each (request, KV head) pair walks its own block
-//! table once. The query heads sharing a KV head (grouped-query attention) are done together, so
-//! each key and value row is read once for the whole group.
+//! converts it to f32 and masks the padding; here each request walks its own block table once,
+//! reading each token's keys (and values) for all KV heads at once, as they sit side by side. The
+//! query heads sharing a KV head (grouped-query attention) are done together, so each key and
+//! value row is read once for the whole group. On x86 with AVX2 and head sizes that are a
+//! multiple of 16 the intrinsics kernel ([`avx2`]) does the work, else the portable one here.
 
 use crate::element::Element;
 use crate::error::{check_len, KernelError};
-use crate::openmp::for_each_share;
-use crate::simd::{axpy, exp, load, multiversion, prefetch};
+use crate::openmp::for_each_weighted_share;
+use crate::simd::{axpy, exp, load, multiversion, prefetch, SimdElement};
+
+#[cfg(target_arch = "x86_64")]
+mod avx2;
 
 /// Sizes of a paged decode step.
 #[derive(Clone, Copy, Debug)]
@@ -49,13 +54,16 @@ pub struct DecodeInputs<'a, T> {
     pub seq_lens: &'a [i32],
 }
 
-/// (request, KV head) units per thread, at least: a batch-1 step of a 2-KV-head model runs on the
-/// calling thread, where its ~20 us of work costs less than waking the team.
-const MIN_UNITS_PER_THREAD: usize = 2;
+/// Requests per thread, at least: a batch-1 step runs on the calling thread, where its ~20 us of
+/// work costs less than waking the team.
+const MIN_ROWS_PER_THREAD: usize = 1;
 
 /// Writes `out[row, head]`, the attention of each row's query over its first `seq_lens[row]`
-/// cached tokens (`out`: `[rows, num_heads, head_dim]`), split over up to `threads`.
-pub fn paged_decode<T: Element>(
+/// cached tokens (`out`: `[rows, num_heads, head_dim]`), split over up to `threads`. Threads
+/// take whole requests, all KV heads of one together: a token's keys for every head sit side by
+/// side, so a request's blocks are read front to back. Shares are of equal context length
+/// rather than of equal request count, since a step's contexts can differ tenfold.
+pub fn paged_decode<T: SimdElement>(
     inputs: DecodeInputs<'_, T>,
     shape: DecodeShape,
     options: DecodeOptions,
@@ -63,14 +71,76 @@ pub fn paged_decode<T: Element>(
     threads: usize,
 ) -> Result<(), KernelError> {
     validate(&inputs, &shape, out.len())?;
-    let unit_len = shape.num_heads / shape.num_kv_heads * shape.head_dim;
-    for_each_share(out, unit_len, MIN_UNITS_PER_THREAD, threads, |units, out| {
-        for (unit, out) in units.zip(out.chunks_exact_mut(unit_len)) {
-            let (row, kv_head) = (unit / shape.num_kv_heads, unit % shape.num_kv_heads);
-            attend_unit::<T>(&inputs, &shape, &options, row, kv_head, out);
+    let row_len = shape.num_heads * shape.head_dim;
+    let costs: Vec<usize> =
+        inputs.seq_lens.iter().map(|&len| visible(len as usize, &options).len()).collect();
+    for_each_weighted_share(out, row_len, &costs, MIN_ROWS_PER_THREAD, threads, |rows, out| {
+        for (row, out) in rows.zip(out.chunks_exact_mut(row_len)) {
+            attend(&Unit::new(&inputs, &shape, &options, row), options.soft_cap, out);
         }
     });
     Ok(())
+}
+
+/// The context positions a query at the end of `seq_len` tokens sees.
+fn visible(seq_len: usize, options: &DecodeOptions) -> std::ops::Range<usize> {
+    options.sliding_window.map_or(0, |w| seq_len.saturating_sub(w))..seq_len
+}
+
+/// One request's work: its query heads, scaled, and where each visible context token's keys
+/// (and values) start in the caches.
+struct Unit<'a, T> {
+    /// `[num_heads, head_dim]` f32, already multiplied by the scale; the `group` heads sharing
+    /// KV head `h` are `h * group .. (h + 1) * group`.
+    query: Vec<f32>,
+    key_cache: &'a [T],
+    value_cache: &'a [T],
+    /// Element offset of each visible token's slot: its `kv_heads x head_dim` keys, in order.
+    slots: Vec<usize>,
+    kv_heads: usize,
+    group: usize,
+    dim: usize,
+}
+
+impl<'a, T: SimdElement> Unit<'a, T> {
+    fn new(inputs: &DecodeInputs<'a, T>, shape: &DecodeShape, options: &DecodeOptions, row: usize) -> Self {
+        let (dim, kv_heads) = (shape.head_dim, shape.num_kv_heads);
+        let table = &inputs.block_tables[row * shape.max_blocks_per_seq..];
+        let slots = visible(inputs.seq_lens[row] as usize, options)
+            .map(|t| {
+                (table[t / shape.block_size] as usize * shape.block_size + t % shape.block_size)
+                    * kv_heads
+                    * dim
+            })
+            .collect();
+        let row_len = shape.num_heads * dim;
+        let mut query = vec![0.0f32; row_len];
+        load(&inputs.query[row * row_len..][..row_len], &mut query);
+        for q in query.iter_mut() {
+            *q *= options.scale;
+        }
+        let group = shape.num_heads / kv_heads;
+        Unit {
+            query,
+            key_cache: inputs.key_cache,
+            value_cache: inputs.value_cache,
+            slots,
+            kv_heads,
+            group,
+            dim,
+        }
+    }
+}
+
+/// One unit through the AVX2 kernel where the CPU and head size allow, else the portable one.
+fn attend<T: SimdElement>(unit: &Unit<'_, T>, soft_cap: Option<f32>, out: &mut [T]) {
+    #[cfg(target_arch = "x86_64")]
+    if crate::simd::has_avx2_fma() && avx2::supports(unit.dim) {
+        // SAFETY: the CPU has AVX2 and FMA, the head size is supported, and `Unit::new` took its
+        // rows from inputs `validate` checked.
+        return unsafe { avx2::attend(unit, soft_cap, out) };
+    }
+    attend_portable(unit, soft_cap, out);
 }
 
 fn validate<T>(inputs: &DecodeInputs<'_, T>, s: &DecodeShape, out_len: usize) -> Result<(), KernelError> {
@@ -111,54 +181,45 @@ fn validate<T>(inputs: &DecodeInputs<'_, T>, s: &DecodeShape, out_len: usize) ->
     Ok(())
 }
 
-multiversion!(fn attend_unit<T>(
-    inputs: &DecodeInputs<'_, T>, shape: &DecodeShape, options: &DecodeOptions, row: usize,
-    kv_head: usize, out: &mut [T],
-) => attend_unit_body);
+multiversion!(fn attend_portable<T>(unit: &Unit<'_, T>, soft_cap: Option<f32>, out: &mut [T]) => attend_portable_body);
 
 /// Tokens per score tile: two AVX2 registers of f32 scores.
 const TILE: usize = 16;
 /// Value rows requested ahead of the one being summed.
 const PREFETCH_AHEAD: usize = 8;
 
-/// Two passes over one (row, KV head) context: scores for every group head, then the
+/// Two passes over one (request, KV head) context: scores for every group head, then the
 /// softmax-weighted sum of values. Scores are kept whole (`group x context` floats) rather than
 /// rescaled online, which keeps the inner loops plain.
 ///
 /// Keys are taken `TILE` tokens at a time and transposed into `[head_dim, TILE]` f32, so a score
 /// tile is `head_dim` multiply-adds with the tokens in the vector lanes; a dot product per token
-/// would end in a horizontal sum costing more than its multiply-adds at `head_dim = 64`.
+/// would end in a horizontal sum costing more than its multiply-adds at `head_dim = 64`. This is
+/// the kernel for head sizes and CPUs the AVX2 one (`avx2`) does not take.
 #[inline(always)]
-fn attend_unit_body<T: Element>(
-    inputs: &DecodeInputs<'_, T>,
-    shape: &DecodeShape,
-    options: &DecodeOptions,
-    row: usize,
+fn attend_portable_body<T: Element>(unit: &Unit<'_, T>, soft_cap: Option<f32>, out: &mut [T]) {
+    let head_len = unit.group * unit.dim;
+    for (kv_head, out) in out.chunks_exact_mut(head_len).enumerate() {
+        attend_portable_head(unit, kv_head, soft_cap, out);
+    }
+}
+
+/// The portable kernel for the query heads sharing KV head `kv_head`.
+#[inline(always)]
+fn attend_portable_head<T: Element>(
+    unit: &Unit<'_, T>,
     kv_head: usize,
+    soft_cap: Option<f32>,
     out: &mut [T],
 ) {
-    let dim = shape.head_dim;
-    let group = shape.num_heads / shape.num_kv_heads;
-    let seq_len = inputs.seq_lens[row] as usize;
-    let first = options.sliding_window.map_or(0, |w| seq_len.saturating_sub(w));
-    let n = seq_len - first;
-    let table = &inputs.block_tables[row * shape.max_blocks_per_seq..];
-    let offset = |t: usize| {
-        let slot = table[t / shape.block_size] as usize * shape.block_size + t % shape.block_size;
-        (slot * shape.num_kv_heads + kv_head) * dim
-    };
-
-    let mut query = vec![0.0f32; group * dim];
-    load(&inputs.query[(row * shape.num_heads + kv_head * group) * dim..][..group * dim], &mut query);
-    for q in query.iter_mut() {
-        *q *= options.scale;
-    }
+    let (dim, group, n) = (unit.dim, unit.group, unit.slots.len());
+    let query = &unit.query[kv_head * group * dim..][..group * dim];
     // Scores padded to whole tiles; the padding is never read back.
     let padded = n.div_ceil(TILE) * TILE;
     let mut scores = vec![0.0f32; group * padded];
     let mut keys_t = vec![0.0f32; dim * TILE];
-    let key_row = |t: usize| &inputs.key_cache[offset(first + t)..][..dim];
-    let value_row = |t: usize| &inputs.value_cache[offset(first + t)..][..dim];
+    let key_row = |t: usize| &unit.key_cache[unit.slots[t] + kv_head * dim..][..dim];
+    let value_row = |t: usize| &unit.value_cache[unit.slots[t] + kv_head * dim..][..dim];
     for t in 0..TILE.min(n) {
         prefetch(key_row(t));
     }
@@ -181,7 +242,7 @@ fn attend_unit_body<T: Element>(
     let mut totals = vec![0.0f32; group];
     for (g, total) in totals.iter_mut().enumerate() {
         let scores = &mut scores[g * padded..][..n];
-        if let Some(cap) = options.soft_cap {
+        if let Some(cap) = soft_cap {
             for s in scores.iter_mut() {
                 *s = cap * (*s / cap).tanh();
             }

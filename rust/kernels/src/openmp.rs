@@ -142,6 +142,74 @@ pub fn for_each_share_pair<A, B, F>(
     });
 }
 
+/// [`for_each_share`] with shares of near-equal total `costs` (one per unit) instead of near-equal
+/// unit counts, for units whose work differs. Each thread gets `min_units` or more on average.
+pub fn for_each_weighted_share<T, F>(
+    out: &mut [T],
+    unit_len: usize,
+    costs: &[usize],
+    min_units: usize,
+    threads: usize,
+    f: F,
+) where
+    T: Send,
+    F: Fn(Range<usize>, &mut [T]) + Sync,
+{
+    let units = out.len().checked_div(unit_len).unwrap_or(0).min(costs.len());
+    let team = threads.min(units / min_units.max(1)).max(1);
+    let line = CostLine::new(&costs[..units]);
+    let out_len = out.len();
+    let base = SharedMut(out.as_mut_ptr());
+    parallel(team, |thread, size| {
+        let span = line.share(thread, size);
+        let (start, end) = ((span.start * unit_len).min(out_len), (span.end * unit_len).min(out_len));
+        // SAFETY: shares of distinct threads are disjoint ranges (see `CostLine::share`), clamped
+        // to the slice, which outlives `parallel`.
+        let piece = unsafe { std::slice::from_raw_parts_mut(base.get().add(start), end - start) };
+        f(span, piece);
+    });
+}
+
+/// Units on the line of their running total cost, each placed at its middle (doubled, so it
+/// stays an integer: `2 * cost before + cost`).
+struct CostLine {
+    doubled_middles: Vec<usize>,
+    doubled_total: usize,
+}
+
+impl CostLine {
+    fn new(costs: &[usize]) -> Self {
+        let mut before = 0;
+        let doubled_middles = costs
+            .iter()
+            .map(|&c| {
+                let middle = 2 * before + c;
+                before += c;
+                middle
+            })
+            .collect();
+        CostLine { doubled_middles, doubled_total: 2 * before }
+    }
+
+    /// The `thread`-th of `parts` shares: a unit goes to the share whose slice of the total cost
+    /// holds its middle. Shares are consecutive and cover every unit once; with no cost at all
+    /// they split the count evenly.
+    fn share(&self, thread: usize, parts: usize) -> Range<usize> {
+        let (parts, units) = (parts.max(1), self.doubled_middles.len());
+        if self.doubled_total == 0 {
+            return share(units, thread, parts);
+        }
+        let bound = |t: usize| {
+            if t >= parts {
+                units
+            } else {
+                self.doubled_middles.partition_point(|&m| m * parts < self.doubled_total * t)
+            }
+        };
+        bound(thread)..bound(thread + 1)
+    }
+}
+
 pub(crate) struct SharedMut<T>(pub(crate) *mut T);
 // SAFETY: used only to hand disjoint pieces of one slice to the team's threads.
 unsafe impl<T: Send> Sync for SharedMut<T> {}
@@ -188,6 +256,30 @@ mod tests {
             piece.iter_mut().enumerate().for_each(|(i, v)| *v = i as u32);
         });
         assert_eq!(out, (0..12).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn weighted_shares_balance_cost_and_cover_every_unit() {
+        // One long unit among short ones: each unit goes where its middle falls.
+        let line = CostLine::new(&[1, 9, 1, 1, 1]);
+        assert_eq!((line.doubled_middles.as_slice(), line.doubled_total), (&[1, 11, 21, 23, 25][..], 26));
+        assert_eq!((line.share(0, 2), line.share(1, 2)), (0..2, 2..5));
+        // Equal costs, and no cost at all, split the count evenly.
+        for costs in [vec![3; 7], vec![0; 7]] {
+            let line = CostLine::new(&costs);
+            for parts in 1..=4 {
+                let shares: Vec<_> = (0..parts).map(|t| line.share(t, parts)).collect();
+                assert_eq!((shares[0].start, shares[parts - 1].end), (0, 7));
+                assert!(shares.windows(2).all(|w| w[0].end == w[1].start));
+                assert!(shares.iter().all(|r| r.len().abs_diff(7 / parts) <= 1), "{shares:?}");
+            }
+        }
+        assert_eq!(CostLine::new(&[]).share(1, 2), 0..0);
+        // Without a runtime the team is the calling thread alone, with every unit.
+        let mut out = vec![0u32; 10];
+        for_each_weighted_share(&mut out, 2, &[1, 9, 1, 1, 1], 1, 2, |units, piece| {
+            assert_eq!((units, piece.len()), (0..5, 10));
+        });
     }
 
     #[test]
