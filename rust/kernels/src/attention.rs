@@ -6,7 +6,7 @@
 //! reading each token's keys (and values) for all KV heads at once, as they sit side by side. The
 //! query heads sharing a KV head (grouped-query attention) are done together, so each key and
 //! value row is read once for the whole group. On x86 with AVX2 and head sizes that are a
-//! multiple of 16 the intrinsics kernel ([`avx2`]) does the work, else the portable one here.
+//! multiple of 16 the intrinsics kernel (module `avx2`) does the work, else the portable one here.
 
 use crate::element::Element;
 use crate::error::{check_len, KernelError};
