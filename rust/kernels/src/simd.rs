@@ -184,11 +184,16 @@ pub(crate) fn exp(x: f32) -> f32 {
     // Adding then subtracting 1.5 * 2^23 rounds to the nearest integer in float arithmetic.
     const ROUNDER: f32 = 12_582_912.0;
     let x = x.clamp(-87.3, 88.3);
-    let n = (x * LOG2E + ROUNDER) - ROUNDER;
+    let shifted = x * LOG2E + ROUNDER;
+    let n = shifted - ROUNDER;
     let r = x - n * LN2_HI - n * LN2_LO;
     let p = 1.0
         + r * (1.0 + r * (0.5 + r * (1.0 / 6.0 + r * (1.0 / 24.0 + r * (1.0 / 120.0 + r * (1.0 / 720.0))))));
-    p * f32::from_bits(((n as i32 + 127) as u32) << 23)
+    // `n` as an integer is the difference of the two floats' bit patterns (same exponent, |n| <
+    // 2^22). `n as i32` would be a saturating conversion, which LLVM emits per lane with compares
+    // and inserts: it cost SiLU-and-mul ~60% of its time.
+    let n_int = shifted.to_bits().wrapping_sub(ROUNDER.to_bits());
+    p * f32::from_bits(n_int.wrapping_add(127) << 23)
 }
 
 #[cfg(test)]
