@@ -97,6 +97,12 @@ def test_paged_decode_matches_the_torch_path_across_head_layouts(dtype, heads):
     torch.testing.assert_close(got, want, **TOL[dtype])
 
 
+def test_paged_decode_refuses_an_empty_sliding_window():
+    query, cache, meta = _decode_case(torch.float32, 2)
+    with pytest.raises(KernelError, match=r"`sliding_window` must be > 0\. Given: 0"):
+        cpu_kernels.paged_decode(query, cache, meta.block_tables, meta.seq_lens, 0.3, 0)
+
+
 def test_paged_decode_refuses_a_block_id_outside_the_cache():
     query, cache, meta = _decode_case(torch.float32, 2)
     tables = meta.block_tables.clone()

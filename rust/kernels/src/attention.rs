@@ -71,6 +71,10 @@ pub fn paged_decode<T: SimdElement>(
     threads: usize,
 ) -> Result<(), KernelError> {
     validate(&inputs, &shape, out.len())?;
+    if options.sliding_window == Some(0) {
+        // A window of no tokens leaves nothing to attend to (and no unit to split).
+        return Err(KernelError::Value { name: "sliding_window", limit: "> 0".into(), value: 0 });
+    }
     let row_len = shape.num_heads * shape.head_dim;
     let costs: Vec<usize> =
         inputs.seq_lens.iter().map(|&len| visible(len as usize, &options).len()).collect();
