@@ -243,20 +243,8 @@ fn attend_portable_head<T: Element>(
             scores[g * padded + tile_start..][..TILE].copy_from_slice(&tile);
         }
     }
-    let mut totals = vec![0.0f32; group];
-    for (g, total) in totals.iter_mut().enumerate() {
-        let scores = &mut scores[g * padded..][..n];
-        if let Some(cap) = soft_cap {
-            for s in scores.iter_mut() {
-                *s = cap * (*s / cap).tanh();
-            }
-        }
-        let max = scores.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
-        for s in scores.iter_mut() {
-            *s = exp(*s - max);
-        }
-        *total = scores.iter().sum();
-    }
+    let totals: Vec<f32> =
+        (0..group).map(|g| softmax_numerators(&mut scores[g * padded..][..n], soft_cap)).collect();
     let mut acc = vec![0.0f32; group * dim];
     let mut value = vec![0.0f32; dim];
     for t in 0..PREFETCH_AHEAD.min(n) {
@@ -277,6 +265,23 @@ fn attend_portable_head<T: Element>(
             *o = T::from_f32(a * inv);
         }
     }
+}
+
+/// Soft-caps the scores if asked, replaces each by `exp(score - max)` and returns their sum: the
+/// softmax of both kernels, short of the division. Inlined into each, so it is compiled with
+/// their instructions. (Max and sum in eight lanes instead of these folds measured no faster.)
+#[inline(always)]
+fn softmax_numerators(scores: &mut [f32], soft_cap: Option<f32>) -> f32 {
+    if let Some(cap) = soft_cap {
+        for s in scores.iter_mut() {
+            *s = cap * (*s / cap).tanh();
+        }
+    }
+    let max = scores.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
+    for s in scores.iter_mut() {
+        *s = exp(*s - max);
+    }
+    scores.iter().sum()
 }
 
 /// `q . k_j` for the `TILE` keys of `keys_t` (`[head_dim, TILE]`). Four partial tiles, so four

@@ -19,9 +19,9 @@
 
 use std::arch::x86_64::*;
 
-use super::Unit;
+use super::{softmax_numerators, Unit};
 use crate::element::Element;
-use crate::simd::{exp, prefetch, Lanes};
+use crate::simd::{prefetch, Lanes};
 
 /// Query heads whose weighted value sums one pass accumulates: 2 registers each, 8 in all, with
 /// the two value registers and the broadcast weight well inside AVX2's 16.
@@ -114,23 +114,6 @@ unsafe fn fold8(a: [__m256; TOKENS]) -> __m256 {
     let low = _mm256_permute2f128_ps::<0x20>(q0, q1);
     let high = _mm256_permute2f128_ps::<0x31>(q0, q1);
     _mm256_add_ps(low, high)
-}
-
-/// Soft-caps the scores if asked, replaces each by `exp(score - max)` and returns their sum.
-/// (Max and sum in eight lanes instead of these folds measured no faster.)
-#[inline]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn softmax_numerators(scores: &mut [f32], soft_cap: Option<f32>) -> f32 {
-    if let Some(cap) = soft_cap {
-        for s in scores.iter_mut() {
-            *s = cap * (*s / cap).tanh();
-        }
-    }
-    let max = scores.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
-    for s in scores.iter_mut() {
-        *s = exp(*s - max);
-    }
-    scores.iter().sum()
 }
 
 /// The request's values widened to f32, `[kv_heads, n, head_dim]`: each KV head's rows end to
