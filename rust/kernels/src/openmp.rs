@@ -123,23 +123,9 @@ pub fn for_each_share_pair<A, B, F>(
     F: Fn(Range<usize>, &mut [A], &mut [B]) + Sync,
 {
     let units = a.len().checked_div(a_unit).unwrap_or(0);
-    let team = threads.min(units / min_units.max(1)).max(1);
-    let (pa, pb) = (SharedMut(a.as_mut_ptr()), SharedMut(b.as_mut_ptr()));
-    let (a_len, b_len) = (a.len(), b.len());
-    parallel(team, |thread, size| {
-        let span = share(units, thread, size);
-        let (a_start, a_end) = ((span.start * a_unit).min(a_len), (span.end * a_unit).min(a_len));
-        let (b_start, b_end) = ((span.start * b_unit).min(b_len), (span.end * b_unit).min(b_len));
-        // SAFETY: the shares of distinct threads are disjoint ranges, clamped to the slices'
-        // lengths, and the slices outlive `parallel`.
-        let (sa, sb) = unsafe {
-            (
-                std::slice::from_raw_parts_mut(pa.get().add(a_start), a_end - a_start),
-                std::slice::from_raw_parts_mut(pb.get().add(b_start), b_end - b_start),
-            )
-        };
-        f(span, sa, sb);
-    });
+    let team = team_size(units, min_units, threads);
+    // SAFETY: `share` splits `0..units` into consecutive, disjoint pieces.
+    unsafe { run_shares(a, b, (a_unit, b_unit), team, |thread, size| share(units, thread, size), f) };
 }
 
 /// [`for_each_share`] with shares of near-equal total `costs` (one per unit) instead of near-equal
@@ -156,17 +142,54 @@ pub fn for_each_weighted_share<T, F>(
     F: Fn(Range<usize>, &mut [T]) + Sync,
 {
     let units = out.len().checked_div(unit_len).unwrap_or(0).min(costs.len());
-    let team = threads.min(units / min_units.max(1)).max(1);
     let line = CostLine::new(&costs[..units]);
-    let out_len = out.len();
-    let base = SharedMut(out.as_mut_ptr());
+    let team = team_size(units, min_units, threads);
+    let span_of = |thread, size| line.share(thread, size);
+    // SAFETY: `CostLine::share` gives consecutive, disjoint pieces of its units.
+    unsafe {
+        run_shares(out, &mut [] as &mut [T], (unit_len, 0), team, span_of, |units, piece, _| f(units, piece))
+    };
+}
+
+/// Threads for `units` when each should get `min_units` or more: at least the calling one.
+fn team_size(units: usize, min_units: usize, threads: usize) -> usize {
+    threads.min(units / min_units.max(1)).max(1)
+}
+
+/// Runs `f(span, a's piece, b's piece)` on a team of `team`, each thread's units given by
+/// `span_of(thread, size)`; `unit_lens` are the elements of `a` and `b` per unit.
+///
+/// # Safety
+/// `span_of` must give the threads of one team disjoint ranges.
+unsafe fn run_shares<A, B, S, F>(
+    a: &mut [A],
+    b: &mut [B],
+    unit_lens: (usize, usize),
+    team: usize,
+    span_of: S,
+    f: F,
+) where
+    A: Send,
+    B: Send,
+    S: Fn(usize, usize) -> Range<usize> + Sync,
+    F: Fn(Range<usize>, &mut [A], &mut [B]) + Sync,
+{
+    let (a_unit, b_unit) = unit_lens;
+    let (pa, pb) = (SharedMut(a.as_mut_ptr()), SharedMut(b.as_mut_ptr()));
+    let (a_len, b_len) = (a.len(), b.len());
     parallel(team, |thread, size| {
-        let span = line.share(thread, size);
-        let (start, end) = ((span.start * unit_len).min(out_len), (span.end * unit_len).min(out_len));
-        // SAFETY: shares of distinct threads are disjoint ranges (see `CostLine::share`), clamped
-        // to the slice, which outlives `parallel`.
-        let piece = unsafe { std::slice::from_raw_parts_mut(base.get().add(start), end - start) };
-        f(span, piece);
+        let span = span_of(thread, size);
+        let (a_start, a_end) = ((span.start * a_unit).min(a_len), (span.end * a_unit).min(a_len));
+        let (b_start, b_end) = ((span.start * b_unit).min(b_len), (span.end * b_unit).min(b_len));
+        // SAFETY: `span_of` gives distinct threads disjoint ranges (the caller's promise), clamped
+        // to the slices' lengths, and the slices outlive `parallel`.
+        let (sa, sb) = unsafe {
+            (
+                std::slice::from_raw_parts_mut(pa.get().add(a_start), a_end - a_start),
+                std::slice::from_raw_parts_mut(pb.get().add(b_start), b_end - b_start),
+            )
+        };
+        f(span, sa, sb);
     });
 }
 
