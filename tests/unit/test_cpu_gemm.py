@@ -4,7 +4,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ferrollm.model_executor.layers.cpu_gemm import PackedWeight, linear, onednn_enabled
+from ferrollm.model_executor.layers.cpu_gemm import (
+    MLP_SLAB_ROWS,
+    PackedWeight,
+    linear,
+    onednn_enabled,
+    row_slabs,
+)
+from ferrollm.model_executor.models.llama import LlamaMLP
 
 BF16_ONEDNN = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
@@ -55,3 +62,27 @@ def test_a_mismatched_input_dtype_falls_back_to_f_linear():
     out = linear(x.double(), weight.double(), bias.double(), packed)
     assert out.dtype == torch.float64
     torch.testing.assert_close(out, F.linear(x.double(), weight.double(), bias.double()))
+
+
+@pytest.mark.parametrize("rows", [1, 7, 8, 20])
+def test_row_slabs_gives_the_whole_product_and_calls_fn_per_slab(rows):
+    x, _, _ = _case(torch.float32, rows, False)
+    mix = torch.randn(96, 96, generator=torch.Generator().manual_seed(1))
+    fn_calls = []
+
+    def fn(part):
+        fn_calls.append(part.shape[0])
+        return torch.tanh(part @ mix) + part
+
+    out = row_slabs(fn, x, 8)
+    torch.testing.assert_close(out, fn(x))
+    assert fn_calls[:-1] == [min(8, rows - start) for start in range(0, rows, 8)]
+
+
+def test_the_cpu_mlp_of_a_long_prefill_runs_in_slabs_and_matches_one_pass():
+    torch.manual_seed(0)
+    mlp = LlamaMLP(32, 48, "silu", False, torch.float32)
+    for param in mlp.parameters():
+        torch.nn.init.normal_(param, std=0.2)
+    x = torch.randn(MLP_SLAB_ROWS * 2 + 5, 32)
+    torch.testing.assert_close(mlp(x), mlp._mlp(x), rtol=1e-5, atol=1e-5)

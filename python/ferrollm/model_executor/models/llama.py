@@ -23,6 +23,7 @@ from transformers import PretrainedConfig
 from ferrollm.attention.backend import AttentionMetadata
 from ferrollm.attention.layer import Attention
 from ferrollm.model_executor.layers.activation import get_act_and_mul
+from ferrollm.model_executor.layers.cpu_gemm import MLP_SLAB_ROWS, row_slabs
 from ferrollm.model_executor.layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
@@ -85,6 +86,12 @@ class LlamaMLP(nn.Module):
         self.act_fn = get_act_and_mul(hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type == "cpu":
+            # Long prefills in slabs whose intermediates stay in cache (see `cpu_gemm`).
+            return row_slabs(self._mlp, x, MLP_SLAB_ROWS)
+        return self._mlp(x)
+
+    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
