@@ -155,7 +155,7 @@ fn validate<T>(inputs: &DecodeInputs<'_, T>, s: &DecodeShape, out_len: usize) ->
             return Err(KernelError::Value { name, limit: "> 0".into(), value: 0 });
         }
     }
-    if s.num_heads == 0 || s.num_heads % s.num_kv_heads != 0 {
+    if s.num_heads == 0 || !s.num_heads.is_multiple_of(s.num_kv_heads) {
         let limit = format!("a positive multiple of num_kv_heads ({})", s.num_kv_heads);
         return Err(KernelError::Value { name: "num_heads", limit, value: s.num_heads as i64 });
     }
@@ -165,7 +165,7 @@ fn validate<T>(inputs: &DecodeInputs<'_, T>, s: &DecodeShape, out_len: usize) ->
     check_len("out", out_len, rows * s.num_heads * s.head_dim)?;
     check_len("block_tables", inputs.block_tables.len(), rows * s.max_blocks_per_seq)?;
     check_len("value_cache", inputs.value_cache.len(), inputs.key_cache.len())?;
-    if inputs.key_cache.len() % block_elems != 0 {
+    if !inputs.key_cache.len().is_multiple_of(block_elems) {
         check_len("key_cache", inputs.key_cache.len(), inputs.key_cache.len() / block_elems * block_elems)?;
     }
     let num_blocks = (inputs.key_cache.len() / block_elems) as i64;

@@ -39,7 +39,7 @@ pub fn write_kv<T: Copy>(
     }
     check_rows("key", key.len(), tokens, width, key_stride)?;
     check_rows("value", value.len(), tokens, width, value_stride)?;
-    if width == 0 || key_cache.len() % width != 0 {
+    if width == 0 || !key_cache.len().is_multiple_of(width) {
         return Err(KernelError::Value {
             name: "width",
             limit: format!("a positive divisor of the cache's {} elements", key_cache.len()),

@@ -68,7 +68,7 @@ fn rotate_head<T: Element>(x: &[T], cos: &[T], sin: &[T], out: &mut [T]) {
 }
 
 fn validate(len: usize, positions: &[i64], table_len: usize, s: &RotaryShape) -> Result<(), KernelError> {
-    if s.rotary_dim == 0 || s.rotary_dim % 2 != 0 || s.rotary_dim > s.head_size {
+    if s.rotary_dim == 0 || !s.rotary_dim.is_multiple_of(2) || s.rotary_dim > s.head_size {
         let limit = format!("even, in 2..={}", s.head_size);
         return Err(KernelError::Value { name: "rotary_dim", limit, value: s.rotary_dim as i64 });
     }

@@ -85,7 +85,7 @@ impl Region {
     }
 
     fn u64_at(&self, offset: usize) -> &AtomicU64 {
-        debug_assert!(offset % 8 == 0 && offset + 8 <= HEADER_BYTES);
+        debug_assert!(offset.is_multiple_of(8) && offset + 8 <= HEADER_BYTES);
         // SAFETY: in bounds and 8-byte aligned (the map is page aligned); AtomicU64 has the
         // layout of u64, and every access to these words from any process is atomic.
         unsafe { &*(self.map.as_ptr().add(offset) as *const AtomicU64) }

@@ -34,7 +34,7 @@ const PREFETCH_AHEAD: usize = 32;
 
 /// Whether [`attend`] takes this head size.
 pub(super) fn supports(head_dim: usize) -> bool {
-    head_dim > 0 && head_dim % 16 == 0
+    head_dim > 0 && head_dim.is_multiple_of(16)
 }
 
 /// Writes the request's `num_heads x head_dim` outputs.
