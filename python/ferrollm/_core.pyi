@@ -16,6 +16,9 @@ __all__ = [
     "StepReceiver",
     "Tokenizer",
     "__version__",
+    "cpu_gemm",
+    "cpu_gemm_pack",
+    "cpu_gemm_vectorized",
     "cpu_gemv",
     "cpu_openmp_attach",
     "cpu_paged_decode",
@@ -260,6 +263,18 @@ def cpu_gemv(
     dtype: str,
     x: _Buffer,
     weight: _Buffer,
+    bias: _Buffer | None,
+    out: _Buffer,
+    rows: int,
+    out_features: int,
+    in_features: int,
+    threads: int,
+) -> None: ...
+def cpu_gemm_vectorized() -> bool: ...
+def cpu_gemm_pack(weight: _Buffer, packed: _Buffer, out_features: int, in_features: int, threads: int) -> None: ...
+def cpu_gemm(
+    x: _Buffer,
+    packed: _Buffer,
     bias: _Buffer | None,
     out: _Buffer,
     rows: int,

@@ -2,6 +2,8 @@
 
 - :func:`gemv`: the matrix-vector product that decode steps with a few rows spend most of their
   time in, streaming each weight once;
+- :func:`gemm` on a weight packed by :func:`gemm_pack`: the fp32 matrix product from three rows
+  on (batched decode steps, prefill slabs), on AVX-512 CPUs;
 - :func:`rms_norm` / :func:`fused_add_rms_norm`, :func:`silu_and_mul`, :func:`rotary_neox` and
   :func:`paged_decode` (attention read in place from the block table): each replaces a chain of
   torch ops. At a few rows a chain costs its dispatches, not its arithmetic: a batch-1 decode
@@ -26,7 +28,7 @@ import torch
 from ferrollm import _core
 from ferrollm.exceptions import KernelError
 
-__all__ = ["GEMV_MAX_ROWS", "fused_add_rms_norm", "gemv", "gemv_supported", "paged_decode",
+__all__ = ["GEMV_MAX_ROWS", "fused_add_rms_norm", "gemm", "gemm_pack", "gemm_supported", "gemv", "gemv_supported", "paged_decode",
            "paged_decode_supported", "rms_norm", "rotary_neox", "rotary_supported", "silu_and_mul", "supports",
            "write_kv", "write_kv_supported"]
 
@@ -86,6 +88,13 @@ def gemv_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and weight.is_contiguous() and supports(x, weight))
 
 
+def gemm_supported(weight: torch.Tensor) -> bool:
+    """Whether :func:`gemm_pack` and :func:`gemm` take this weight: fp32 on the CPU, kernels joined,
+    and a CPU on which the GEMM is vectorized (AVX-512); elsewhere oneDNN is faster."""
+    return (weight.dtype == torch.float32 and weight.dim() == 2 and supports(weight)
+            and _core.cpu_gemm_vectorized())
+
+
 def paged_decode_supported(query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
     """Whether :func:`paged_decode` takes these: it reads the cache in place, so the cache must be
     the whole contiguous allocation, and tensors :func:`supports` takes."""
@@ -115,6 +124,28 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     bias = None if bias is None else bias.to(x.dtype).contiguous()
     _core.cpu_gemv(_NAMES[x.dtype], _buf(x), _buf(weight), None if bias is None else _buf(bias), _buf(out),
                    rows, weight.shape[0], in_features, _threads())
+    return out
+
+
+def gemm_pack(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` (``[out, in]``, fp32) in :func:`gemm`'s panel layout: a flat fp32 tensor.
+    Call only where :func:`gemm_supported` holds."""
+    weight = weight.detach().contiguous()
+    out_features, in_features = weight.shape
+    packed = torch.empty(-(-out_features // 16) * 16 * in_features, dtype=torch.float32)
+    _core.cpu_gemm_pack(_buf(weight), _buf(packed), out_features, in_features, _threads())
+    return packed
+
+
+def gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    """``x @ weight.T + bias`` for fp32 ``x``: ``[rows, in]``, ``packed`` from
+    :func:`gemm_pack` of ``weight``, on torch's threads."""
+    x = x.contiguous()
+    rows, in_features = x.shape
+    out = x.new_empty((rows, out_features))
+    bias = None if bias is None else bias.contiguous()
+    _core.cpu_gemm(_buf(x), _buf(packed), None if bias is None else _buf(bias), _buf(out),
+                   rows, out_features, in_features, _threads())
     return out
 
 

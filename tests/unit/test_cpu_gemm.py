@@ -1,9 +1,12 @@
-"""The oneDNN linear path (`cpu_gemm`): packed weights give F.linear's result in fp32 and bf16."""
+"""The CPU matmul path (`cpu_gemm`): packed weights (ferrollm's GEMM panels in fp32 on AVX-512,
+oneDNN's layout otherwise) give F.linear's result in fp32 and bf16."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from ferrollm import _core, cpu_kernels
+from ferrollm.exceptions import KernelError
 from ferrollm.model_executor.layers.cpu_gemm import (
     MLP_SLAB_ROWS,
     PackedWeight,
@@ -14,6 +17,8 @@ from ferrollm.model_executor.layers.cpu_gemm import (
 from ferrollm.model_executor.models.llama import LlamaMLP
 
 BF16_ONEDNN = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+OWN_GEMM = cpu_kernels.gemm_supported(torch.empty(1, 1))
+needs_own_gemm = pytest.mark.skipif(not OWN_GEMM, reason="no AVX-512 or no OpenMP team to join")
 
 
 def _case(dtype: torch.dtype, rows: int, with_bias: bool):
@@ -86,3 +91,35 @@ def test_the_cpu_mlp_of_a_long_prefill_runs_in_slabs_and_matches_one_pass():
         torch.nn.init.normal_(param, std=0.2)
     x = torch.randn(MLP_SLAB_ROWS * 2 + 5, 32)
     torch.testing.assert_close(mlp(x), mlp._mlp(x), rtol=1e-5, atol=1e-5)
+
+
+@needs_own_gemm
+@pytest.mark.parametrize("rows", [3, 8, 13, 64, 300])
+@pytest.mark.parametrize("shape", [(40, 96), (100, 129), (1153, 896), (896, 300)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_the_own_fp32_gemm_matches_f_linear(rows, shape, with_bias):
+    # Rows around the 8-row block and past the 256-row slab; columns that end mid-vector and
+    # mid-panel; k past the 128-row chunk and not a multiple of it. Two threads split the columns.
+    gen = torch.Generator().manual_seed(rows)
+    x, weight = torch.randn(rows, shape[1], generator=gen), torch.randn(*shape, generator=gen)
+    bias = torch.randn(shape[0], generator=gen) if with_bias else None
+    out = cpu_kernels.gemm(x, cpu_kernels.gemm_pack(weight), bias, shape[0])
+    want = F.linear(x.double(), weight.double(), None if bias is None else bias.double())
+    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=2e-4)
+
+
+@needs_own_gemm
+def test_fp32_weights_pack_for_the_own_gemm_and_bf16_for_onednn():
+    x, weight, bias = _case(torch.float32, 5, True)
+    packed = PackedWeight(weight, bias)
+    assert packed.own_gemm and packed.weight.numel() == 48 * 96  # 40 columns padded to 48
+    torch.testing.assert_close(linear(x, weight, bias, packed), F.linear(x, weight, bias), rtol=1e-5, atol=1e-4)
+    if BF16_ONEDNN:
+        assert not PackedWeight(weight.bfloat16(), None).own_gemm
+
+
+def test_the_gemm_refuses_a_packed_weight_of_the_wrong_size():
+    x, out, packed = torch.randn(3, 8), torch.empty(3, 20), torch.zeros(20 * 8)
+    buf = lambda t: (t.data_ptr(), t.numel())  # noqa: E731
+    with pytest.raises(KernelError, match=r"`packed` has 160 elements, the shape needs 256"):
+        _core.cpu_gemm(buf(x), buf(packed), None, buf(out), 3, 20, 8, 1)

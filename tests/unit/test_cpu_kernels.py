@@ -66,7 +66,7 @@ def test_the_decode_linear_takes_the_gemv_for_one_or_two_rows(monkeypatch):
 def test_what_the_gemv_leaves_to_torch():
     x, weight, _ = _case(torch.float32, 1, 40, 96, False)
     assert cpu_kernels.gemv_supported(x, weight)
-    assert not cpu_kernels.gemv_supported(torch.randn(3, 96), weight)  # three rows: oneDNN's
+    assert not cpu_kernels.gemv_supported(torch.randn(3, 96), weight)  # three rows: the GEMM's
     assert not cpu_kernels.gemv_supported(x.half(), weight.half())
     assert not cpu_kernels.gemv_supported(x, weight.bfloat16())
     assert not cpu_kernels.gemv_supported(x, torch.randn(96, 40).T)  # a strided view

@@ -8,6 +8,7 @@
 
 use ferrollm_kernels::attention::{paged_decode, DecodeInputs, DecodeOptions, DecodeShape};
 use ferrollm_kernels::cache::{write_kv, CacheWriteShape};
+use ferrollm_kernels::gemm::{gemm, pack_weight, vectorized, GemmShape};
 use ferrollm_kernels::gemv::{gemv, GemvShape};
 use ferrollm_kernels::norm::{fused_add_rms_norm, rms_norm, RmsNormWeight};
 use ferrollm_kernels::rotary::{rotate_neox, RotaryShape};
@@ -86,6 +87,50 @@ pub fn cpu_gemv(
         let (x, weight, bias, out) = unsafe { (view::<T>(x), view::<T>(weight), bias.map(|b| view::<T>(b)), view_mut::<T>(out)) };
         py.detach(|| gemv(x, weight, bias, out, shape, threads)).map_err(kernel_error)
     })
+}
+
+/// Whether `cpu_gemm` runs vectorized (AVX-512) here rather than as a plain loop.
+#[pyfunction]
+pub fn cpu_gemm_vectorized() -> bool {
+    vectorized()
+}
+
+/// Packs an fp32 `weight[out_features, in_features]` into `packed` for `cpu_gemm`.
+#[pyfunction]
+pub fn cpu_gemm_pack(
+    py: Python<'_>,
+    weight: Buffer,
+    packed: Buffer,
+    out_features: usize,
+    in_features: usize,
+    threads: usize,
+) -> PyResult<()> {
+    // SAFETY: see the module doc; `packed` is a fresh tensor.
+    let (weight, packed) = unsafe { (view::<f32>(weight), view_mut::<f32>(packed)) };
+    py.detach(|| pack_weight(weight, packed, out_features, in_features, threads)).map_err(kernel_error)
+}
+
+/// `out[rows, out_features] = x[rows, in_features] · weightᵀ + bias` in fp32, the weight packed
+/// by `cpu_gemm_pack`.
+#[pyfunction]
+#[pyo3(signature = (x, packed, bias, out, rows, out_features, in_features, threads))]
+#[allow(clippy::too_many_arguments)]
+pub fn cpu_gemm(
+    py: Python<'_>,
+    x: Buffer,
+    packed: Buffer,
+    bias: Option<Buffer>,
+    out: Buffer,
+    rows: usize,
+    out_features: usize,
+    in_features: usize,
+    threads: usize,
+) -> PyResult<()> {
+    let shape = GemmShape { rows, out_features, in_features };
+    // SAFETY: see the module doc; `out` is a fresh tensor.
+    let (x, packed, bias, out) =
+        unsafe { (view::<f32>(x), view::<f32>(packed), bias.map(|b| view::<f32>(b)), view_mut::<f32>(out)) };
+    py.detach(|| gemm(x, packed, bias, out, shape, threads)).map_err(kernel_error)
 }
 
 /// `out[row, head] = attention(query[row, head], row's first seq_lens[row] cached tokens)`.

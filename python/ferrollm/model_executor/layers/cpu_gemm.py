@@ -1,21 +1,21 @@
-"""The CPU matmul path: oneDNN with each weight packed once, after loading.
+"""The CPU matmul path: every linear layer's weight packed once, after loading.
 
 PyTorch's `F.linear` goes to MKL, which streams weights slowly when few rows multiply them, the
-decode case. Measured on the 2-core AVX-512 development machine (fp32, 2 threads): a [9728, 896]
-gate/up weight at 1 row takes 2.8 ms through MKL and 1.2 ms through oneDNN with the weight
-prepacked (29 GB/s, the memory roofline); at 8 rows 4.9 vs 2.9 ms; at 512 rows they tie. The
-151936-word LM head goes from 50 to 20 ms per batch-1 step. So on the CPU, in fp32, every linear
-layer runs through oneDNN; `FERROLLM_CPU_ONEDNN=0` turns this off.
+decode case. So on the CPU every linear layer runs through a packed weight; `FERROLLM_CPU_ONEDNN=0`
+turns this off.
 
-bf16 models take the same path wherever oneDNN runs bf16 (AVX-512 CPUs; natively with AVX512-BF16
-or AMX). On the development machine, which has AVX512-BF16, packed bf16 doubles the 32-row decode
-matmuls against fp32 and a Qwen2-0.5B-shaped model goes from 155.6 to 261.6 total tokens/s on
-the 32 x 128/128 workload and from 9.0 to 15.0 tokens/s at batch 1. Unpacked, bf16 went through
-`F.linear` at ~12 tokens/s at batch 1.
-
-The call is `mkldnn::_linear_pointwise` (what inductor's CPU freezing pass emits): dense
-activations in and out, so no `to_mkldnn`/`to_dense` copies per call (those were ~15% of a
-profiled 32×128 run), and the weight packed by `mkldnn::_reorder_linear_weight`.
+- **fp32 on AVX-512 CPUs: ferrollm's GEMM** (`cpu_kernels.gemm`, `rust/kernels/src/gemm.rs`), the
+  weight in 48-column panels. On the 2-core development machine (Zen 4, 2 threads, weights cold as
+  in a real step) a Qwen2-0.5B-shaped 32-row decode step's layer matmuls take 116-150 ms against
+  140-169 through oneDNN, its LM head 40-45 against 47-54 ms; and the 32 x 128/128 workload went
+  from 159-170 to 186 total tokens/s.
+- **Elsewhere, and for bf16: oneDNN**, `mkldnn::_linear_pointwise` (what inductor's CPU freezing
+  pass emits) on a weight packed by `mkldnn::_reorder_linear_weight`: dense activations in and
+  out, so no `to_mkldnn`/`to_dense` copies per call (those were ~15% of a profiled 32×128 run).
+  Against MKL, a [9728, 896] gate/up weight at 1 row took 1.2 ms instead of 2.8, at 8 rows 2.9
+  instead of 4.9; at 512 rows they tie. bf16 takes it wherever oneDNN runs bf16 (AVX-512 CPUs;
+  natively with AVX512-BF16 or AMX): on the development machine, which has AVX512-BF16, packed
+  bf16 doubles the 32-row decode matmuls against fp32.
 
 The packed copy sits beside the dense weight, which stays for one- and two-row products (see
 `linear`), embeddings tied to the LM head, checkpoint saving and tensor-parallel loading.
@@ -57,11 +57,17 @@ def onednn_enabled(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 class PackedWeight:
-    """A weight (and bias) in oneDNN's blocked layout, packed once."""
+    """A weight (and bias) packed once for the CPU's matrix products: in fp32 on AVX-512 CPUs, the
+    panels of ferrollm's own GEMM (`cpu_kernels.gemm`), else oneDNN's blocked layout."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         self.dtype = weight.dtype
-        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())
+        self.out_features = weight.shape[0]
+        self.own_gemm = cpu_kernels.gemm_supported(weight)
+        if self.own_gemm:
+            self.weight = cpu_kernels.gemm_pack(weight)
+        else:
+            self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())
         self.bias = None if bias is None else bias.detach().contiguous()
 
 
@@ -73,6 +79,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         return cpu_kernels.gemv(x, weight, bias)
     if packed is None or x.dim() != 2 or x.shape[0] == 0 or x.dtype != packed.dtype:
         return F.linear(x, weight, bias)
+    if packed.own_gemm:
+        return cpu_kernels.gemm(x, packed.weight, packed.bias, packed.out_features)
     # One row is a matrix-vector product, bound by reading the weight: oneDNN streams the plain
     # row-major weight ~15% faster than its blocked layout (25 vs 22 GB/s for the [9728, 896]
     # gate/up, 29 vs 26 GB/s for the LM head, cold caches). From two rows on, blocked wins.

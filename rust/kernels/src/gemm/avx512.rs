@@ -1,0 +1,191 @@
+//! The GEMM in AVX-512 intrinsics.
+//!
+//! A thread's columns are cut into tiles of at most one panel (1-3 vectors); for each slab of
+//! [`ROW_SLAB`] rows and each tile, the panel rows go by in chunks of [`K_CHUNK`], and every
+//! [`ROW_BLOCK`]-row block of the slab multiplies the chunk into its accumulators, which live in
+//! registers for the chunk and in `out` between chunks. The first block takes the chunk from
+//! memory; the blocks between them prefetch the next chunk (or the next panel), a line per
+//! panel row, so the next first block finds it in cache.
+
+use std::arch::x86_64::*;
+use std::ops::Range;
+use std::sync::OnceLock;
+
+use super::{Job, LANES, PANEL_WIDTH};
+
+/// Rows per micro-kernel call: 8 rows × 3 vectors = 24 accumulators, with the 3 panel vectors
+/// and the broadcast inside the 32 registers.
+const ROW_BLOCK: usize = 8;
+/// Panel rows per chunk: 128 × 48 × 4 B = 24 KB, inside the 32 KB L1 with the blocks' `x`.
+/// Measured 64: 120 ms, 96: 126, 128: 116-133, 160: 115, 256: 127, 896: 124 for the 32-row step.
+const K_CHUNK: usize = 128;
+/// Rows per pass over the weight: a slab's accumulators for one panel (256 × 48 × 4 B = 48 KB)
+/// stay in L2 between chunks, however long the prefill.
+const ROW_SLAB: usize = 256;
+const LINE: usize = 64;
+
+pub(super) fn available() -> bool {
+    static HAS: OnceLock<bool> = OnceLock::new();
+    *HAS.get_or_init(|| is_x86_feature_detected!("avx512f"))
+}
+
+/// A run of output columns inside one panel.
+#[derive(Clone, Copy)]
+struct Tile {
+    /// The tile's first column in panel row 0.
+    weight: *const f32,
+    /// The panel's width: the distance between its rows.
+    stride: usize,
+    /// The tile's first output column.
+    col: usize,
+    /// Lanes of the last vector that are real columns.
+    mask: __mmask16,
+    /// The next panel's first element, to prefetch during the last chunk.
+    next: *const f32,
+}
+
+/// # Safety
+/// As [`Job::run`]; the CPU has AVX-512F and `in_features > 0`.
+#[target_feature(enable = "avx512f")]
+pub(super) unsafe fn run(job: &Job<'_>, cols: Range<usize>, out: *mut f32) {
+    let panels = job.panels;
+    for slab in (0..job.rows).step_by(ROW_SLAB) {
+        let rows = slab..(slab + ROW_SLAB).min(job.rows);
+        let mut col = cols.start;
+        while col < cols.end {
+            let (panel, within) = (col / PANEL_WIDTH, col % PANEL_WIDTH);
+            let span = (panels.width(panel) - within).min(cols.end - col);
+            let vectors = span.div_ceil(LANES);
+            let tail = span - (vectors - 1) * LANES;
+            let tile = Tile {
+                weight: job.packed.as_ptr().add(panels.offset(panel) + within),
+                stride: panels.width(panel),
+                col,
+                mask: if tail == LANES { !0 } else { (1 << tail) - 1 },
+                next: job.packed.as_ptr().wrapping_add(panels.offset(panel + 1)),
+            };
+            match vectors {
+                3 => tile_pass::<3>(job, tile, rows.clone(), out),
+                2 => tile_pass::<2>(job, tile, rows.clone(), out),
+                _ => tile_pass::<1>(job, tile, rows.clone(), out),
+            }
+            col += span;
+        }
+    }
+}
+
+/// One tile for the rows `rows`, chunk by chunk of panel rows.
+#[inline(always)]
+unsafe fn tile_pass<const V: usize>(job: &Job<'_>, tile: Tile, rows: Range<usize>, out: *mut f32) {
+    let (k_len, n_len) = (job.panels.in_features, job.panels.out_features);
+    let blocks = rows.len().div_ceil(ROW_BLOCK);
+    let lines = (K_CHUNK * tile.stride * 4).div_ceil(LINE);
+    let per_block = lines.div_ceil(blocks);
+    for k0 in (0..k_len).step_by(K_CHUNK) {
+        let chunk = K_CHUNK.min(k_len - k0);
+        let last = k0 + chunk == k_len;
+        let ahead = if last { tile.next } else { tile.weight.wrapping_add((k0 + chunk) * tile.stride) };
+        let bias = if last { job.bias.map(|b| b[tile.col..].as_ptr()) } else { None };
+        for (i, r0) in rows.clone().step_by(ROW_BLOCK).enumerate() {
+            let step = Step {
+                x: job.x.as_ptr().add(r0 * k_len + k0),
+                x_stride: k_len,
+                weight: tile.weight.add(k0 * tile.stride),
+                weight_stride: tile.stride,
+                chunk,
+                out: out.add(r0 * n_len + tile.col),
+                out_stride: n_len,
+                mask: tile.mask,
+                first: k0 == 0,
+                bias,
+                prefetch: ahead.cast::<i8>().wrapping_add(i * per_block * LINE),
+                prefetch_lines: per_block.min(lines.saturating_sub(i * per_block)),
+            };
+            match (rows.end - r0).min(ROW_BLOCK) {
+                8 => step.block::<8, V>(),
+                7 => step.block::<7, V>(),
+                6 => step.block::<6, V>(),
+                5 => step.block::<5, V>(),
+                4 => step.block::<4, V>(),
+                3 => step.block::<3, V>(),
+                2 => step.block::<2, V>(),
+                _ => step.block::<1, V>(),
+            }
+        }
+    }
+}
+
+/// One row block's share of one chunk.
+struct Step {
+    x: *const f32,
+    x_stride: usize,
+    weight: *const f32,
+    weight_stride: usize,
+    chunk: usize,
+    out: *mut f32,
+    out_stride: usize,
+    mask: __mmask16,
+    /// The chunk's accumulators start from zero rather than from `out`.
+    first: bool,
+    /// Added after the last chunk.
+    bias: Option<*const f32>,
+    prefetch: *const i8,
+    prefetch_lines: usize,
+}
+
+impl Step {
+    /// `out[R, V vectors] (+)= x[R, chunk] · weight[chunk, V vectors]`, the accumulators in
+    /// registers. Inlined into the `avx512f` functions above, which lets its intrinsics inline.
+    #[inline(always)]
+    unsafe fn block<const R: usize, const V: usize>(&self) {
+        let mut acc = [[_mm512_setzero_ps(); V]; R];
+        if !self.first {
+            for (r, row) in acc.iter_mut().enumerate() {
+                for (v, lane) in row.iter_mut().enumerate() {
+                    *lane = self.load(self.out.add(r * self.out_stride + v * LANES), v + 1 == V);
+                }
+            }
+        }
+        for k in 0..self.chunk {
+            if k < self.prefetch_lines {
+                _mm_prefetch::<_MM_HINT_T0>(self.prefetch.wrapping_add(k * LINE));
+            }
+            let w: [__m512; V] =
+                std::array::from_fn(|v| _mm512_loadu_ps(self.weight.add(k * self.weight_stride + v * LANES)));
+            for (r, row) in acc.iter_mut().enumerate() {
+                let x = _mm512_set1_ps(*self.x.add(r * self.x_stride + k));
+                for (lane, w) in row.iter_mut().zip(&w) {
+                    *lane = _mm512_fmadd_ps(x, *w, *lane);
+                }
+            }
+        }
+        if let Some(bias) = self.bias {
+            for v in 0..V {
+                let b = self.load(bias.add(v * LANES), v + 1 == V);
+                for row in acc.iter_mut() {
+                    row[v] = _mm512_add_ps(row[v], b);
+                }
+            }
+        }
+        for (r, row) in acc.iter().enumerate() {
+            for (v, lane) in row.iter().enumerate() {
+                let at = self.out.add(r * self.out_stride + v * LANES);
+                if v + 1 == V && self.mask != !0 {
+                    _mm512_mask_storeu_ps(at, self.mask, *lane);
+                } else {
+                    _mm512_storeu_ps(at, *lane);
+                }
+            }
+        }
+    }
+
+    /// A vector of `out` or of the bias; the last vector of a tile reads its real lanes only.
+    #[inline(always)]
+    unsafe fn load(&self, at: *const f32, last: bool) -> __m512 {
+        if last && self.mask != !0 {
+            _mm512_maskz_loadu_ps(self.mask, at)
+        } else {
+            _mm512_loadu_ps(at)
+        }
+    }
+}
