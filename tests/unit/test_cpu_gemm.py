@@ -123,3 +123,16 @@ def test_the_gemm_refuses_a_packed_weight_of_the_wrong_size():
     buf = lambda t: (t.data_ptr(), t.numel())  # noqa: E731
     with pytest.raises(KernelError, match=r"`packed` has 160 elements, the shape needs 256"):
         _core.cpu_gemm(buf(x), buf(packed), None, buf(out), 3, 20, 8, 1)
+
+
+@needs_own_gemm
+def test_two_rows_and_up_take_the_own_gemm_and_one_row_the_gemv(monkeypatch):
+    calls = []
+    for name in ("gemm", "gemv"):
+        real = getattr(cpu_kernels, name)
+        monkeypatch.setattr(cpu_kernels, name, lambda *a, _n=name, _f=real: calls.append(_n) or _f(*a))
+    for rows in (1, 2, 3):
+        x, weight, bias = _case(torch.float32, rows, True)
+        out = linear(x, weight, bias, PackedWeight(weight, bias))
+        torch.testing.assert_close(out, F.linear(x, weight, bias), rtol=1e-5, atol=1e-4)
+    assert calls == ["gemv", "gemm", "gemm"]

@@ -73,14 +73,18 @@ class PackedWeight:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
            packed: PackedWeight | None) -> torch.Tensor:
-    """`x @ weight.T + bias`: the streaming GEMV for one or two rows, else through the packed
-    weight when there is one."""
+    """`x @ weight.T + bias`: ferrollm's GEMM from two rows on where it packed the weight, the
+    streaming GEMV for one row (or two, where oneDNN packed it), else oneDNN's packed GEMM."""
+    # Two rows stream faster through the GEMM's panels than through the GEMV (cold weights,
+    # 2 threads, three runs: 25.9/35.4/19.0 GB/s against 21.5/29.5/18.3); one row, slower
+    # (25.4/33.0/20.7 against 29.3/37.1/22.0).
+    if (packed is not None and packed.own_gemm and x.dim() == 2 and x.shape[0] >= 2
+            and x.dtype == packed.dtype):
+        return cpu_kernels.gemm(x, packed.weight, packed.bias, packed.out_features)
     if cpu_kernels.gemv_supported(x, weight):
         return cpu_kernels.gemv(x, weight, bias)
     if packed is None or x.dim() != 2 or x.shape[0] == 0 or x.dtype != packed.dtype:
         return F.linear(x, weight, bias)
-    if packed.own_gemm:
-        return cpu_kernels.gemm(x, packed.weight, packed.bias, packed.out_features)
     # One row is a matrix-vector product, bound by reading the weight: oneDNN streams the plain
     # row-major weight ~15% faster than its blocked layout (25 vs 22 GB/s for the [9728, 896]
     # gate/up, 29 vs 26 GB/s for the LM head, cold caches). From two rows on, blocked wins.
