@@ -32,6 +32,8 @@ pub mod norm;
 pub mod openmp;
 pub mod rotary;
 mod simd;
+#[cfg(test)]
+mod test_support;
 
 pub use element::{Bf16, Element};
 pub use error::KernelError;
