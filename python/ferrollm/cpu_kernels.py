@@ -2,7 +2,7 @@
 
 - :func:`gemv`: the matrix-vector product that decode steps with a few rows spend most of their
   time in, streaming each weight once;
-- :func:`gemm` on a weight packed by :func:`gemm_pack`: the fp32 matrix product from three rows
+- :func:`gemm` on a weight packed by :func:`gemm_pack`: the fp32 matrix product from two rows
   on (batched decode steps, prefill slabs), on AVX-512 CPUs;
 - :func:`rms_norm` / :func:`fused_add_rms_norm`, :func:`silu_and_mul`, :func:`rotary_neox` and
   :func:`paged_decode` (attention read in place from the block table): each replaces a chain of
@@ -33,6 +33,7 @@ __all__ = ["GEMV_MAX_ROWS", "fused_add_rms_norm", "gemm", "gemm_pack", "gemm_sup
            "write_kv", "write_kv_supported"]
 
 # The kernel's limit (`gemv::MAX_ROWS`): from three rows on, oneDNN's blocked GEMM is as fast.
+# Where ferrollm's GEMM packed the weight it takes two rows too (see `cpu_gemm.linear`).
 GEMV_MAX_ROWS = 2
 
 _NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}

@@ -1,5 +1,6 @@
-//! `out = x · weightᵀ + bias` in f32 for three rows and up, from a weight packed once into
-//! column panels: the linear layers of batched decode steps and of prefill slabs.
+//! `out = x · weightᵀ + bias` in f32, from a weight packed once into column panels: the linear
+//! layers of batched decode steps (two rows and up; one row goes to [`crate::gemv`]) and of
+//! prefill slabs.
 //!
 //! The weight `[out_features, in_features]` is stored as panels of [`PANEL_WIDTH`] output
 //! columns, each panel `[in_features, width]` row-major, so one panel row is three 16-lane

@@ -4,9 +4,10 @@
 //!   so it is bound by how fast the weights stream from memory. oneDNN and MKL reach ~20 GB/s
 //!   there on the 2-core development machine, whose memory gives ~27-31 GB/s to a plain sum;
 //!   this kernel gets there.
-//! - [`gemm`]: from three rows on the same products are bound by the multiply-adds; weights
-//!   packed once into column panels, 8 rows × 48 columns in registers, chunks of the panel held
-//!   in L1. In fp32 this beats oneDNN's packed GEMM by 10-30% at decode batch sizes.
+//! - [`gemm`]: the fp32 product for two rows and more, on weights packed once into column panels,
+//!   8 rows × 48 columns in registers, chunks of the panel held in L1. From a few rows on the
+//!   products are bound by the multiply-adds; it beats oneDNN's packed GEMM by 10-30% at decode
+//!   batch sizes, and at two rows its contiguous panels stream faster than the GEMV.
 //! - [`norm`], [`activation`], [`rotary`], [`attention`]: each does in one call what the torch
 //!   path does in a chain of small ops (RMSNorm with the residual add, `silu(gate) * up`, NeoX
 //!   rotary in place, paged decode attention read straight from the block table). At a few rows
