@@ -28,9 +28,9 @@ import torch
 from ferrollm import _core
 from ferrollm.exceptions import KernelError
 
-__all__ = ["GEMV_MAX_ROWS", "fused_add_rms_norm", "gemm", "gemm_pack", "gemm_supported", "gemv", "gemv_supported", "paged_decode",
-           "paged_decode_supported", "rms_norm", "rotary_neox", "rotary_supported", "silu_and_mul", "supports",
-           "write_kv", "write_kv_supported"]
+__all__ = ["GEMV_MAX_ROWS", "fused_add_rms_norm", "gemm", "gemm_pack", "gemm_supported", "gemv", "gemv_supported",
+           "paged_decode", "paged_decode_supported", "rms_norm", "rotary_neox", "rotary_supported", "silu_and_mul",
+           "supports", "write_kv", "write_kv_supported"]
 
 # The kernel's limit (`gemv::MAX_ROWS`): from three rows on, oneDNN's blocked GEMM is as fast.
 # Where ferrollm's GEMM packed the weight it takes two rows too (see `cpu_gemm.linear`).

@@ -14,7 +14,8 @@
 //! cold as in a real step: 24 layers' worth cycled), a Qwen2-0.5B 32-row decode step's layer
 //! matmuls take 116-150 ms here against 140-169 ms through oneDNN's packed `_linear_pointwise`,
 //! and its 151936-column LM head 40-45 ms against 47-54; from 3 to 256 rows this kernel was
-//! 7-45% faster at every size measured (single runs; `/tmp/s14` scripts in the #4 note).
+//! 7-45% faster at every size measured (`benches/cpu_gemm.py` compares the two; this VM's
+//! figures move 10-30% between runs).
 //!
 //! bf16 stays with oneDNN, which runs it with the CPU's native AVX512-BF16 dot products.
 
