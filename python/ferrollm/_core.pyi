@@ -18,6 +18,7 @@ __all__ = [
     "__version__",
     "cpu_gemm",
     "cpu_gemm_pack",
+    "cpu_gemm_packed_len",
     "cpu_gemm_vectorized",
     "cpu_gemv",
     "cpu_openmp_attach",
@@ -271,6 +272,7 @@ def cpu_gemv(
     threads: int,
 ) -> None: ...
 def cpu_gemm_vectorized() -> bool: ...
+def cpu_gemm_packed_len(out_features: int, in_features: int) -> int: ...
 def cpu_gemm_pack(weight: _Buffer, packed: _Buffer, out_features: int, in_features: int, threads: int) -> None: ...
 def cpu_gemm(
     x: _Buffer,

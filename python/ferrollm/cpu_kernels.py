@@ -133,7 +133,7 @@ def gemm_pack(weight: torch.Tensor) -> torch.Tensor:
     Call only where :func:`gemm_supported` holds."""
     weight = weight.detach().contiguous()
     out_features, in_features = weight.shape
-    packed = torch.empty(-(-out_features // 16) * 16 * in_features, dtype=torch.float32)
+    packed = torch.empty(_core.cpu_gemm_packed_len(out_features, in_features), dtype=torch.float32)
     _core.cpu_gemm_pack(_buf(weight), _buf(packed), out_features, in_features, _threads())
     return packed
 

@@ -8,7 +8,7 @@
 
 use ferrollm_kernels::attention::{paged_decode, DecodeInputs, DecodeOptions, DecodeShape};
 use ferrollm_kernels::cache::{write_kv, CacheWriteShape};
-use ferrollm_kernels::gemm::{gemm, pack_weight, vectorized, GemmShape};
+use ferrollm_kernels::gemm::{gemm, pack_weight, packed_len, vectorized, GemmShape};
 use ferrollm_kernels::gemv::{gemv, GemvShape};
 use ferrollm_kernels::norm::{fused_add_rms_norm, rms_norm, RmsNormWeight};
 use ferrollm_kernels::rotary::{rotate_neox, RotaryShape};
@@ -93,6 +93,12 @@ pub fn cpu_gemv(
 #[pyfunction]
 pub fn cpu_gemm_vectorized() -> bool {
     vectorized()
+}
+
+/// Elements `cpu_gemm_pack` writes for an `[out_features, in_features]` weight.
+#[pyfunction]
+pub fn cpu_gemm_packed_len(out_features: usize, in_features: usize) -> usize {
+    packed_len(out_features, in_features)
 }
 
 /// Packs an fp32 `weight[out_features, in_features]` into `packed` for `cpu_gemm`.

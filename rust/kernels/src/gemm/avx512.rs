@@ -79,7 +79,7 @@ pub(super) unsafe fn run(job: &Job<'_>, cols: Range<usize>, out: *mut f32) {
 unsafe fn tile_pass<const V: usize>(job: &Job<'_>, tile: Tile, rows: Range<usize>, out: *mut f32) {
     let (k_len, n_len) = (job.panels.in_features, job.panels.out_features);
     let blocks = rows.len().div_ceil(ROW_BLOCK);
-    let lines = (K_CHUNK * tile.stride * 4).div_ceil(LINE);
+    let lines = (K_CHUNK * tile.stride * std::mem::size_of::<f32>()).div_ceil(LINE);
     let per_block = lines.div_ceil(blocks);
     for k0 in (0..k_len).step_by(K_CHUNK) {
         let chunk = K_CHUNK.min(k_len - k0);
