@@ -85,10 +85,11 @@ def test_paged_decode_matches_the_torch_path(dtype, rows, window, cap):
     torch.testing.assert_close(got, want, **TOL[dtype])
 
 
-# (num_heads, num_kv_heads, head_dim): grouped heads in value passes of 4 + 3 and 4 + 4, one head
-# per KV head, and a head size the AVX2 kernel leaves to the portable one (not a multiple of 16).
+# (num_heads, num_kv_heads, head_dim): groups of 7 and 8 (one value pass of up to 7 heads, then
+# the rest), one head per KV head, head sizes of 3 and 5 vectors, and one the intrinsics kernels
+# leave to the portable one (not a multiple of 16). `rust/kernels` tests each kernel on its own.
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("heads", [(14, 2, 64), (16, 2, 128), (4, 4, 64), (8, 1, 40)])
+@pytest.mark.parametrize("heads", [(14, 2, 64), (16, 2, 128), (4, 4, 64), (9, 1, 48), (7, 1, 80), (8, 1, 40)])
 def test_paged_decode_matches_the_torch_path_across_head_layouts(dtype, heads):
     query, cache, meta = _decode_case(dtype, 7, *heads)
     opts = (heads[2] ** -0.5, None, None)

@@ -54,6 +54,9 @@ mod x86 {
         /// # Safety
         /// `ptr` must address eight readable elements, and the CPU must have AVX2.
         unsafe fn load8(ptr: *const Self) -> __m256;
+        /// # Safety
+        /// `ptr` must address sixteen readable elements, and the CPU must have AVX-512F.
+        unsafe fn load16(ptr: *const Self) -> __m512;
     }
 
     impl Lanes for f32 {
@@ -61,6 +64,11 @@ mod x86 {
         #[target_feature(enable = "avx2,fma")]
         unsafe fn load8(ptr: *const Self) -> __m256 {
             _mm256_loadu_ps(ptr)
+        }
+        #[inline]
+        #[target_feature(enable = "avx512f")]
+        unsafe fn load16(ptr: *const Self) -> __m512 {
+            _mm512_loadu_ps(ptr)
         }
     }
 
@@ -71,6 +79,12 @@ mod x86 {
         unsafe fn load8(ptr: *const Self) -> __m256 {
             let halves = _mm_loadu_si128(ptr.cast::<__m128i>());
             _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(halves)))
+        }
+        #[inline]
+        #[target_feature(enable = "avx512f")]
+        unsafe fn load16(ptr: *const Self) -> __m512 {
+            let halves = _mm256_loadu_si256(ptr.cast::<__m256i>());
+            _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(halves)))
         }
     }
 
@@ -113,18 +127,29 @@ pub(crate) use multiversion;
 #[inline(always)]
 pub(crate) fn prefetch<T>(data: &[T]) {
     #[cfg(target_arch = "x86_64")]
-    {
-        const LINE: usize = 64;
-        let start = data.as_ptr() as usize;
-        let end = start + std::mem::size_of_val(data);
-        let mut line = start & !(LINE - 1);
-        while line < end {
-            // SAFETY: prefetching is a hint; it never faults, whatever the address.
-            unsafe {
-                std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(line as *const i8)
-            };
-            line += LINE;
-        }
+    prefetch_lines::<T, { std::arch::x86_64::_MM_HINT_T0 }>(data);
+}
+
+/// [`prefetch`] into L2 only. A core has few L1 miss buffers, and a software prefetch waits for
+/// one: a burst of L1 prefetches stalls the core, where L2 takes more misses in flight and an L1
+/// miss that finds the line in L2 is short.
+#[inline(always)]
+pub(crate) fn prefetch_l2<T>(data: &[T]) {
+    #[cfg(target_arch = "x86_64")]
+    prefetch_lines::<T, { std::arch::x86_64::_MM_HINT_T1 }>(data);
+}
+
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn prefetch_lines<T, const HINT: i32>(data: &[T]) {
+    const LINE: usize = 64;
+    let start = data.as_ptr() as usize;
+    let end = start + std::mem::size_of_val(data);
+    let mut line = start & !(LINE - 1);
+    while line < end {
+        // SAFETY: prefetching is a hint; it never faults, whatever the address.
+        unsafe { std::arch::x86_64::_mm_prefetch::<HINT>(line as *const i8) };
+        line += LINE;
     }
 }
 
