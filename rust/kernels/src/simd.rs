@@ -41,6 +41,20 @@ pub(crate) fn has_avx2_fma() -> bool {
     }
 }
 
+/// Whether the AVX-512 paths may run on this CPU.
+pub(crate) fn has_avx512f() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::sync::OnceLock;
+        static HAS: OnceLock<bool> = OnceLock::new();
+        *HAS.get_or_init(|| is_x86_feature_detected!("avx512f") && has_avx2_fma())
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use std::arch::x86_64::*;
@@ -99,16 +113,25 @@ mod x86 {
 }
 
 /// Defines `$name`, calling `$body` (an `#[inline(always)]` generic function) through its
-/// AVX2/FMA compilation when the CPU has it.
+/// AVX-512 or AVX2/FMA compilation when the CPU has it. The loops vectorize to 16 lanes under
+/// AVX-512: SiLU-and-mul, whose exponential and division are the work, ran ~2x as fast.
 macro_rules! multiversion {
     (fn $name:ident<$t:ident>($($arg:ident: $ty:ty),* $(,)?) => $body:ident) => {
         #[inline]
         fn $name<$t: Element>($($arg: $ty),*) {
             #[cfg(target_arch = "x86_64")]
             {
+                #[target_feature(enable = "avx512f,avx2,fma")]
+                unsafe fn widest<$t: Element>($($arg: $ty),*) {
+                    $body::<$t>($($arg),*)
+                }
                 #[target_feature(enable = "avx2,fma")]
                 unsafe fn wide<$t: Element>($($arg: $ty),*) {
                     $body::<$t>($($arg),*)
+                }
+                if crate::simd::has_avx512f() {
+                    // SAFETY: the CPU has every feature `widest` was compiled for.
+                    return unsafe { widest::<$t>($($arg),*) };
                 }
                 if crate::simd::has_avx2_fma() {
                     // SAFETY: the CPU has every feature `wide` was compiled for.

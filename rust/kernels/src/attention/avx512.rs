@@ -20,10 +20,9 @@
 //! 12 -> 5.1; one of 100, 0.41 -> 0.56 (a step's attention is then ~0.7% of its time).
 
 use std::arch::x86_64::*;
-use std::sync::OnceLock;
 
 use super::{softmax_numerators, Unit};
-use crate::simd::{prefetch_l2, Lanes};
+use crate::simd::{has_avx512f, prefetch_l2, Lanes};
 
 /// Tokens per score tile: one register of scores.
 const TOKENS: usize = 16;
@@ -47,8 +46,7 @@ const ROWS_AHEAD: usize = 64;
 
 /// Whether [`attend`] takes this head size on this CPU.
 pub(super) fn supports(head_dim: usize) -> bool {
-    static HAS: OnceLock<bool> = OnceLock::new();
-    head_dim > 0 && head_dim.is_multiple_of(LANES) && *HAS.get_or_init(|| is_x86_feature_detected!("avx512f"))
+    head_dim > 0 && head_dim.is_multiple_of(LANES) && has_avx512f()
 }
 
 /// Writes the request's `num_heads x head_dim` outputs.

@@ -9,7 +9,6 @@
 
 use std::arch::x86_64::*;
 use std::ops::Range;
-use std::sync::OnceLock;
 
 use super::{Job, LANES, PANEL_WIDTH};
 
@@ -25,8 +24,7 @@ const ROW_SLAB: usize = 256;
 const LINE: usize = 64;
 
 pub(super) fn available() -> bool {
-    static HAS: OnceLock<bool> = OnceLock::new();
-    *HAS.get_or_init(|| is_x86_feature_detected!("avx512f"))
+    crate::simd::has_avx512f()
 }
 
 /// A run of output columns inside one panel.
