@@ -23,6 +23,8 @@ __all__ = [
     "cpu_gemv",
     "cpu_openmp_attach",
     "cpu_paged_decode",
+    "cpu_paged_prefill",
+    "cpu_paged_prefill_supported",
     "cpu_rms_norm",
     "cpu_rotary_neox",
     "cpu_silu_and_mul",
@@ -301,6 +303,24 @@ def cpu_paged_decode(
     threads: int,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+) -> None: ...
+def cpu_paged_prefill_supported(head_dim: int) -> bool: ...
+def cpu_paged_prefill(
+    dtype: str,
+    query: _Buffer,
+    key_cache: _Buffer,
+    value_cache: _Buffer,
+    block_table: _Buffer,
+    out: _Buffer,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    query_len: int,
+    num_computed: int,
+    scale: float,
+    threads: int,
+    sliding_window: int | None = None,
 ) -> None: ...
 def cpu_rms_norm(
     dtype: str,

@@ -4,6 +4,8 @@
   time in, streaming each weight once;
 - :func:`gemm` on a weight packed by :func:`gemm_pack`: the fp32 matrix product from two rows
   on (batched decode steps, prefill slabs), on AVX-512 CPUs;
+- :func:`paged_prefill`: a request's prompt attention over its paged context (flash attention
+  on AVX-512 CPUs), ~3x torch's fused attention, which also needed the context gathered first;
 - :func:`rms_norm` / :func:`fused_add_rms_norm`, :func:`silu_and_mul`, :func:`rotary_neox` and
   :func:`paged_decode` (attention read in place from the block table): each replaces a chain of
   torch ops. At a few rows a chain costs its dispatches, not its arithmetic: a batch-1 decode
@@ -29,7 +31,8 @@ from ferrollm import _core
 from ferrollm.exceptions import KernelError
 
 __all__ = ["GEMV_MAX_ROWS", "fused_add_rms_norm", "gemm", "gemm_pack", "gemm_supported", "gemv", "gemv_supported",
-           "paged_decode", "paged_decode_supported", "rms_norm", "rotary_neox", "rotary_supported", "silu_and_mul",
+           "paged_decode", "paged_decode_supported", "paged_prefill", "paged_prefill_supported",
+           "rms_norm", "rotary_neox", "rotary_supported", "silu_and_mul",
            "supports", "write_kv", "write_kv_supported"]
 
 # The kernel's limit (`gemv::MAX_ROWS`): from three rows on, oneDNN's blocked GEMM is as fast.
@@ -100,6 +103,12 @@ def paged_decode_supported(query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
     """Whether :func:`paged_decode` takes these: it reads the cache in place, so the cache must be
     the whole contiguous allocation, and tensors :func:`supports` takes."""
     return kv_cache.is_contiguous() and supports(query, kv_cache)
+
+
+def paged_prefill_supported(query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+    """Whether :func:`paged_prefill` takes these: as :func:`paged_decode_supported`, on a CPU with
+    AVX-512 and a head size that is a multiple of 64."""
+    return paged_decode_supported(query, kv_cache) and _core.cpu_paged_prefill_supported(query.shape[-1])
 
 
 def _buf(t: torch.Tensor) -> tuple[int, int]:
@@ -257,4 +266,32 @@ def paged_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
     _core.cpu_paged_decode(_NAMES[query.dtype], _buf(query), _buf(kv_cache[0]), _buf(kv_cache[1]), _buf(tables),
                            _buf(lens), _buf(out), query.shape[1], kv_heads, head_dim, block_size,
                            tables.shape[1], scale, _threads(), sliding_window, soft_cap)
+    return out
+
+
+def paged_prefill(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, num_computed: int,
+                  scale: float, sliding_window: int | None = None) -> torch.Tensor:
+    """Causal attention of one request's query chunk over its paged context, as
+    ``attention.cpu_backend`` computes it (without logit soft-capping).
+
+    Args:
+        query: ``[query_len, num_heads, head_dim]``, positions ``num_computed ..``; their keys and
+            values must already be in the cache.
+        kv_cache: one layer's cache, ``[2, num_blocks, block_size, num_kv_heads, head_dim]``.
+        block_table: the request's block ids (any integer dtype).
+        num_computed: context tokens before the chunk.
+        scale, sliding_window: as in ``cpu_backend.paged_attention``.
+
+    Returns:
+        ``[query_len, num_heads, head_dim]`` in ``query``'s dtype.
+
+    Call only where :func:`paged_prefill_supported` holds.
+    """
+    query = query.contiguous()
+    out = torch.empty_like(query)
+    table = block_table.to(torch.int32).contiguous()
+    _, _, block_size, kv_heads, head_dim = kv_cache.shape
+    _core.cpu_paged_prefill(_NAMES[query.dtype], _buf(query), _buf(kv_cache[0]), _buf(kv_cache[1]), _buf(table),
+                            _buf(out), query.shape[1], kv_heads, head_dim, block_size, query.shape[0], num_computed,
+                            scale, _threads(), sliding_window)
     return out

@@ -1,5 +1,6 @@
 """The Rust CPU kernels behind the layers (RMSNorm, SiLU-and-mul, NeoX rotary, the KV write,
-paged decode attention) against the torch path each replaces, which stays their reference."""
+paged decode and prefill attention) against the torch path each replaces, which stays their
+reference."""
 
 import numpy as np
 import pytest
@@ -110,6 +111,49 @@ def test_paged_decode_refuses_a_block_id_outside_the_cache():
     tables[1, 0] = cache.shape[1] + 5
     with pytest.raises(KernelError, match=r"`block_tables` must be a block id in 0\.\.\d+\. Given: \d+"):
         cpu_kernels.paged_decode(query, cache, tables, meta.seq_lens, 0.3)
+
+
+prefill_kernel = pytest.mark.skipif(not cpu_kernels.paged_prefill_supported(torch.zeros(1, 1, 64), torch.zeros(1)),
+                                    reason="the prefill kernel needs AVX-512")
+
+
+def _prefill_case(dtype, query_len, num_computed, heads=(14, 2, 64), seed=3):
+    query, k, v, cache, step, _ = build_case([(num_computed, query_len)], 16, *heads, dtype, seed)
+    meta = AttentionMetadata.from_step(step, block_size=16)
+    cpu_backend.write_kv(k, v, cache, meta.slot_mapping)
+    return query, cache, meta.block_tables[0]
+
+
+# Fresh prompts shorter and longer than a key block, chunks after a cached prefix; windows that
+# cut blocks; groups of 7 (tiles across tokens), 1 and 4; head sizes 64 and 128.
+@prefill_kernel
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("query_len, num_computed", [(1, 0), (9, 0), (150, 0), (37, 90)])
+@pytest.mark.parametrize("window", [None, 30])
+@pytest.mark.parametrize("heads", [(14, 2, 64), (4, 4, 64), (8, 2, 128)])
+def test_paged_prefill_matches_the_torch_path(dtype, query_len, num_computed, window, heads):
+    query, cache, table = _prefill_case(dtype, query_len, num_computed, heads)
+    opts = (heads[2] ** -0.5, window, None)
+    got = cpu_backend._prefill(query, cache, table, num_computed + query_len, num_computed, opts)
+    want = cpu_backend._prefill_torch(query, cache, table, num_computed + query_len, num_computed, opts)
+    torch.testing.assert_close(got, want, **TOL[dtype])
+    if dtype == torch.float32:  # `_prefill` went through the kernel
+        torch.testing.assert_close(cpu_kernels.paged_prefill(query, cache, table, num_computed, opts[0], window), got,
+                                   rtol=0, atol=0)
+
+
+@prefill_kernel
+def test_paged_prefill_refuses_a_table_too_short_for_the_context():
+    query, cache, table = _prefill_case(torch.float32, 40, 0)
+    with pytest.raises(KernelError, match=r"`block_table` must be >= 3 blocks for a context of 40 tokens\. Given: 2"):
+        cpu_kernels.paged_prefill(query, cache, table[:2], 0, 0.125)
+
+
+def test_prefill_the_kernel_cannot_do_takes_the_torch_path():
+    query, cache, table = _prefill_case(torch.float32, 20, 5, heads=(4, 2, 48))
+    assert not cpu_kernels.paged_prefill_supported(query, cache)  # 48 is not a multiple of 64
+    got = cpu_backend._prefill(query, cache, table, 25, 5, (0.2, None, None))
+    torch.testing.assert_close(got, cpu_backend._prefill_torch(query, cache, table, 25, 5, (0.2, None, None)))
 
 
 def test_layouts_the_kernels_cannot_read_take_the_torch_path():

@@ -7,7 +7,10 @@ and bf16, the Rust kernel (`ferrollm.cpu_kernels.paged_decode`) reads each row's
 they lie; otherwise (and as that kernel's reference, `_decode_torch`) their blocks are gathered
 into ``[num_decodes, max_seq_len, num_kv_heads, head_dim]``, padding is masked by ``seq_lens``,
 and one batched call does the work. Prefill chunks, a few per step, run one
-request at a time to avoid padding every query to the longest chunk.
+request at a time to avoid padding every query to the longest chunk; on CPUs with AVX-512 (fp32
+and bf16, head sizes a multiple of 64, no soft-capping) the Rust kernel
+(`ferrollm.cpu_kernels.paged_prefill`) does each in place, ~3x torch's fused attention on a
+Qwen2-0.5B prompt, else (and as its reference, `_prefill_torch`) the blocks are gathered.
 
 The work goes to torch's fused CPU attention (`scaled_dot_product_attention`): on the
 development machine it halves a 512-token prefill and a 32-row decode against the unfused
@@ -136,6 +139,14 @@ def _decode_torch(query, kv_cache, block_tables, seq_lens, max_seq_len, opts):
 
 def _prefill(query, kv_cache, block_table, seq_len, num_computed, opts):
     """One request's query chunk, positions ``num_computed ..``. Returns ``[q_len, heads, dim]``."""
+    scale, sliding_window, soft_cap = opts
+    if soft_cap is None and cpu_kernels.paged_prefill_supported(query, kv_cache):
+        return cpu_kernels.paged_prefill(query, kv_cache, block_table, num_computed, scale, sliding_window)
+    return _prefill_torch(query, kv_cache, block_table, seq_len, num_computed, opts)
+
+
+def _prefill_torch(query, kv_cache, block_table, seq_len, num_computed, opts):
+    """`_prefill` in torch ops: the reference the Rust kernel is tested against."""
     block_size = kv_cache.shape[2]
     num_blocks = -(-seq_len // block_size)
     keys, values = _gather(kv_cache, block_table[None, :num_blocks])

@@ -11,6 +11,7 @@ use ferrollm_kernels::cache::{write_kv, CacheWriteShape};
 use ferrollm_kernels::gemm::{gemm, pack_weight, packed_len, vectorized, GemmShape};
 use ferrollm_kernels::gemv::{gemv, GemvShape};
 use ferrollm_kernels::norm::{fused_add_rms_norm, rms_norm, RmsNormWeight};
+use ferrollm_kernels::prefill::{self, paged_prefill, PrefillInputs, PrefillOptions, PrefillShape};
 use ferrollm_kernels::rotary::{rotate_neox, RotaryShape};
 use ferrollm_kernels::{activation, openmp, Bf16};
 use pyo3::prelude::*;
@@ -176,6 +177,50 @@ pub fn cpu_paged_decode(
             (inputs, view_mut::<T>(out))
         };
         py.detach(|| paged_decode(inputs, shape, options, out, threads)).map_err(kernel_error)
+    })
+}
+
+/// Whether `cpu_paged_prefill` runs on this CPU for this head size.
+#[pyfunction]
+pub fn cpu_paged_prefill_supported(head_dim: usize) -> bool {
+    prefill::supports(head_dim)
+}
+
+/// Causal attention of one request's query chunk over its paged context.
+#[pyfunction]
+#[pyo3(signature = (dtype, query, key_cache, value_cache, block_table, out, num_heads, num_kv_heads,
+                    head_dim, block_size, query_len, num_computed, scale, threads, sliding_window=None))]
+#[allow(clippy::too_many_arguments)]
+pub fn cpu_paged_prefill(
+    py: Python<'_>,
+    dtype: &str,
+    query: Buffer,
+    key_cache: Buffer,
+    value_cache: Buffer,
+    block_table: Buffer,
+    out: Buffer,
+    num_heads: usize,
+    num_kv_heads: usize,
+    head_dim: usize,
+    block_size: usize,
+    query_len: usize,
+    num_computed: usize,
+    scale: f32,
+    threads: usize,
+    sliding_window: Option<usize>,
+) -> PyResult<()> {
+    let shape = PrefillShape { num_heads, num_kv_heads, head_dim, block_size, query_len, num_computed };
+    let options = PrefillOptions { scale, sliding_window };
+    by_dtype!(dtype, T => {
+        // SAFETY: see the module doc; `out` is a fresh tensor.
+        let (inputs, out) = unsafe {
+            let inputs = PrefillInputs::<T> {
+                query: view(query), key_cache: view(key_cache), value_cache: view(value_cache),
+                block_table: view(block_table),
+            };
+            (inputs, view_mut::<T>(out))
+        };
+        py.detach(|| paged_prefill(inputs, shape, options, out, threads)).map_err(kernel_error)
     })
 }
 

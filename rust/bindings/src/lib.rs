@@ -30,6 +30,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cpu_kernels::cpu_gemm_vectorized, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_kernels::cpu_write_kv, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_kernels::cpu_paged_decode, m)?)?;
+    m.add_function(wrap_pyfunction!(cpu_kernels::cpu_paged_prefill_supported, m)?)?;
+    m.add_function(wrap_pyfunction!(cpu_kernels::cpu_paged_prefill, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_kernels::cpu_rms_norm, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_kernels::cpu_silu_and_mul, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_kernels::cpu_rotary_neox, m)?)?;

@@ -31,6 +31,7 @@ pub mod gemm;
 pub mod gemv;
 pub mod norm;
 pub mod openmp;
+pub mod prefill;
 pub mod rotary;
 mod simd;
 #[cfg(test)]
