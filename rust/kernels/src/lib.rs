@@ -12,6 +12,8 @@
 //!   path does in a chain of small ops (RMSNorm with the residual add, `silu(gate) * up`, NeoX
 //!   rotary in place, paged decode attention read straight from the block table). At a few rows
 //!   the chain's cost is its dispatches: ~0.5 ms per layer of a batch-1 Qwen2-0.5B step.
+//! - [`prefill`]: a prompt's causal attention over its paged context, flash-attention style, on
+//!   AVX-512 CPUs; ~3x torch's fused attention, which needed the context gathered out first.
 //! - [`cache`]: the step's keys and values into their KV cache slots, for the same reason.
 //!
 //! The kernels split rows over the OpenMP team of the process they live in ([`openmp`]), the
