@@ -342,7 +342,7 @@ fn score_tile(query: &[f32], keys_t: &[f32]) -> [f32; TILE] {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::test_support::values;
+    use crate::test_support::{assert_near, reference_attention, values};
 
     /// A decode step over shuffled blocks of 16 tokens, with its f64 reference.
     struct Case {
@@ -393,29 +393,14 @@ mod tests {
                     let block = self.tables[row * s.max_blocks_per_seq + t / s.block_size] as usize;
                     (block * s.block_size + t % s.block_size) * s.num_kv_heads * dim
                 };
+                let visible: Vec<usize> = visible(len as usize, options).collect();
                 for h in 0..s.num_heads {
                     let (q, kv) = (&self.query[(row * s.num_heads + h) * dim..][..dim], h / group * dim);
-                    let visible: Vec<usize> = visible(len as usize, options).collect();
-                    let scores: Vec<f64> = visible
-                        .iter()
-                        .map(|&t| {
-                            let k = &self.keys[slot(t) + kv..][..dim];
-                            let dot: f64 = q.iter().zip(k).map(|(a, b)| f64::from(*a) * f64::from(*b)).sum();
-                            let score = dot * f64::from(options.scale);
-                            options.soft_cap.map_or(score, |c| f64::from(c) * (score / f64::from(c)).tanh())
-                        })
-                        .collect();
-                    let max = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
-                    let weights: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
-                    let total: f64 = weights.iter().sum();
-                    for d in 0..dim {
-                        let sum: f64 = visible
-                            .iter()
-                            .zip(&weights)
-                            .map(|(&t, w)| w * f64::from(self.values[slot(t) + kv + d]))
-                            .sum();
-                        out.push((sum / total) as f32);
-                    }
+                    let keys: Vec<&[f32]> =
+                        visible.iter().map(|&t| &self.keys[slot(t) + kv..][..dim]).collect();
+                    let values: Vec<&[f32]> =
+                        visible.iter().map(|&t| &self.values[slot(t) + kv..][..dim]).collect();
+                    out.extend(reference_attention(q, &keys, &values, options.scale, options.soft_cap));
                 }
             }
             out
@@ -435,13 +420,6 @@ mod tests {
 
     fn options(head_dim: usize, sliding_window: Option<usize>, soft_cap: Option<f32>) -> DecodeOptions {
         DecodeOptions { scale: (head_dim as f32).powf(-0.5), sliding_window, soft_cap }
-    }
-
-    fn assert_near(got: &[f32], want: &[f32], what: &str) {
-        assert_eq!(got.len(), want.len());
-        for (i, (g, w)) in got.iter().zip(want).enumerate() {
-            assert!((g - w).abs() <= 2e-5 + 2e-5 * w.abs(), "{what}: element {i}: {g} against {w}");
-        }
     }
 
     /// Every kernel this CPU runs, by name; each takes the head sizes `supports` admits.

@@ -189,7 +189,7 @@ fn validate<T>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::test_support::values;
+    use crate::test_support::{assert_near, reference_attention, values};
 
     /// One request's chunk over shuffled blocks of 16 tokens, with its f64 reference.
     struct Case {
@@ -240,35 +240,14 @@ mod tests {
                 let visible: Vec<usize> = options.visible(s.num_computed + i).collect();
                 for h in 0..s.num_heads {
                     let (q, kv) = (&self.query[(i * s.num_heads + h) * dim..][..dim], h / group * dim);
-                    let scores: Vec<f64> = visible
-                        .iter()
-                        .map(|&t| {
-                            let k = &self.keys[slot(t) + kv..][..dim];
-                            q.iter().zip(k).map(|(a, b)| f64::from(*a) * f64::from(*b)).sum::<f64>()
-                                * f64::from(options.scale)
-                        })
-                        .collect();
-                    let max = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
-                    let weights: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
-                    let total: f64 = weights.iter().sum();
-                    for d in 0..dim {
-                        let sum: f64 = visible
-                            .iter()
-                            .zip(&weights)
-                            .map(|(&t, w)| w * f64::from(self.values[slot(t) + kv + d]))
-                            .sum();
-                        out.push((sum / total) as f32);
-                    }
+                    let keys: Vec<&[f32]> =
+                        visible.iter().map(|&t| &self.keys[slot(t) + kv..][..dim]).collect();
+                    let values: Vec<&[f32]> =
+                        visible.iter().map(|&t| &self.values[slot(t) + kv..][..dim]).collect();
+                    out.extend(reference_attention(q, &keys, &values, options.scale, None));
                 }
             }
             out
-        }
-    }
-
-    fn assert_near(got: &[f32], want: &[f32], what: &str) {
-        assert_eq!(got.len(), want.len());
-        for (i, (g, w)) in got.iter().zip(want).enumerate() {
-            assert!((g - w).abs() <= 2e-5 + 2e-5 * w.abs(), "{what}: element {i}: {g} against {w}");
         }
     }
 

@@ -25,3 +25,39 @@ pub(crate) fn linear(
     }
     out
 }
+
+/// One query head's attention in f64: `softmax(scale · q·k_t (soft-capped)) · v_t` over the
+/// visible tokens' key and value rows, in order.
+pub(crate) fn reference_attention(
+    query: &[f32],
+    keys: &[&[f32]],
+    values: &[&[f32]],
+    scale: f32,
+    soft_cap: Option<f32>,
+) -> Vec<f32> {
+    let scores: Vec<f64> = keys
+        .iter()
+        .map(|k| {
+            let dot: f64 = query.iter().zip(*k).map(|(a, b)| f64::from(*a) * f64::from(*b)).sum();
+            let score = dot * f64::from(scale);
+            soft_cap.map_or(score, |c| f64::from(c) * (score / f64::from(c)).tanh())
+        })
+        .collect();
+    let max = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+    let weights: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
+    let total: f64 = weights.iter().sum();
+    (0..query.len())
+        .map(|d| {
+            let sum: f64 = values.iter().zip(&weights).map(|(v, w)| w * f64::from(v[d])).sum();
+            (sum / total) as f32
+        })
+        .collect()
+}
+
+/// Panics naming the first element of `got` further than ~2e-5 (relative and absolute) from `want`.
+pub(crate) fn assert_near(got: &[f32], want: &[f32], what: &str) {
+    assert_eq!(got.len(), want.len());
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        assert!((g - w).abs() <= 2e-5 + 2e-5 * w.abs(), "{what}: element {i}: {g} against {w}");
+    }
+}
