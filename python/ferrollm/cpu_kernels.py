@@ -270,7 +270,7 @@ def paged_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
 
 
 def paged_prefill(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, num_computed: int,
-                  scale: float, sliding_window: int | None = None) -> torch.Tensor:
+                  scale: float, sliding_window: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of one request's query chunk over its paged context, as
     ``attention.cpu_backend`` computes it (without logit soft-capping).
 
@@ -281,14 +281,23 @@ def paged_prefill(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torc
         block_table: the request's block ids (any integer dtype).
         num_computed: context tokens before the chunk.
         scale, sliding_window: as in ``cpu_backend.paged_attention``.
+        out: where to write the result (a contiguous tensor shaped and typed as ``query``, e.g.
+            the request's rows of the step's output); a new tensor if not given.
 
     Returns:
-        ``[query_len, num_heads, head_dim]`` in ``query``'s dtype.
+        ``out``: ``[query_len, num_heads, head_dim]`` in ``query``'s dtype.
+
+    Raises:
+        KernelError: ``out`` is not contiguous or not ``query``'s shape and dtype.
 
     Call only where :func:`paged_prefill_supported` holds.
     """
     query = query.contiguous()
-    out = torch.empty_like(query)
+    if out is None:
+        out = torch.empty_like(query)
+    elif not out.is_contiguous() or out.shape != query.shape or out.dtype != query.dtype:
+        raise KernelError(f"`out` must be a contiguous {query.dtype} tensor of shape {tuple(query.shape)}. "
+                          f"Given: {out.dtype}, {tuple(out.shape)}, contiguous={out.is_contiguous()}")
     table = block_table.to(torch.int32).contiguous()
     _, _, block_size, kv_heads, head_dim = kv_cache.shape
     _core.cpu_paged_prefill(_NAMES[query.dtype], _buf(query), _buf(kv_cache[0]), _buf(kv_cache[1]), _buf(table),

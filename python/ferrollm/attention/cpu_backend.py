@@ -105,8 +105,8 @@ def paged_attention(
     computed = meta.num_computed_tokens.tolist()
     for row in prefill_rows:
         start, end = starts[row], starts[row + 1]
-        out[start:end] = _prefill(query[start:end], kv_cache, meta.block_tables[row],
-                                  seq_lens[row], computed[row], opts)
+        _prefill(query[start:end], kv_cache, meta.block_tables[row], seq_lens[row], computed[row], opts,
+                 out[start:end])
     return out
 
 
@@ -137,12 +137,14 @@ def _decode_torch(query, kv_cache, block_tables, seq_lens, max_seq_len, opts):
     return out.reshape(rows, num_heads, dim).to(query.dtype)
 
 
-def _prefill(query, kv_cache, block_table, seq_len, num_computed, opts):
-    """One request's query chunk, positions ``num_computed ..``. Returns ``[q_len, heads, dim]``."""
+def _prefill(query, kv_cache, block_table, seq_len, num_computed, opts, out=None):
+    """One request's query chunk, positions ``num_computed ..``: ``[q_len, heads, dim]``, written
+    into ``out`` if given (the kernel writes there directly, without a result of its own to copy)."""
     scale, sliding_window, soft_cap = opts
     if soft_cap is None and cpu_kernels.paged_prefill_supported(query, kv_cache):
-        return cpu_kernels.paged_prefill(query, kv_cache, block_table, num_computed, scale, sliding_window)
-    return _prefill_torch(query, kv_cache, block_table, seq_len, num_computed, opts)
+        return cpu_kernels.paged_prefill(query, kv_cache, block_table, num_computed, scale, sliding_window, out)
+    result = _prefill_torch(query, kv_cache, block_table, seq_len, num_computed, opts)
+    return result if out is None else out.copy_(result)
 
 
 def _prefill_torch(query, kv_cache, block_table, seq_len, num_computed, opts):
