@@ -1,11 +1,11 @@
-//! AVX2/FMA pieces of the kernels, and the runtime check that lets them run.
+//! SIMD pieces of the kernels, and the runtime checks that let them run.
 //!
-//! The wheel targets baseline x86-64 so it loads on any machine; [`has_avx2_fma`] says once
-//! whether this CPU has the instructions. The GEMV uses them through intrinsics (module `x86`);
-//! the other kernels are loops written so LLVM vectorizes them (fixed-width lane arrays, no
-//! branches), compiled a second time for AVX2/FMA by [`multiversion`].
-//! AVX2 rather than AVX-512: the kernels are bound by memory, not arithmetic, and AVX2 keeps the
-//! crate on the workspace's minimum Rust (AVX-512 intrinsics are stable from 1.89).
+//! The wheel targets baseline x86-64 so it loads on any machine; [`has_avx2_fma`] and
+//! [`has_avx512f`] say once whether this CPU has the instructions. The GEMV and the AVX2 decode
+//! attention use AVX2 through intrinsics (module `x86`, whose [`Lanes`] loads 8 or 16 elements
+//! as f32); the GEMM and the AVX-512 attention kernels use AVX-512 intrinsics in their own
+//! modules; the other kernels are loops written so LLVM vectorizes them (fixed-width lane arrays,
+//! no branches), compiled again for AVX-512 and for AVX2/FMA by [`multiversion`].
 
 use crate::element::Element;
 
