@@ -12,6 +12,7 @@
 use crate::element::Element;
 use crate::error::{check_len, KernelError};
 use crate::openmp::for_each_weighted_share;
+use crate::paged;
 use crate::simd::{axpy, exp, load, multiversion, prefetch, SimdElement};
 
 #[cfg(target_arch = "x86_64")]
@@ -73,11 +74,7 @@ pub fn paged_decode<T: SimdElement>(
     out: &mut [T],
     threads: usize,
 ) -> Result<(), KernelError> {
-    validate(&inputs, &shape, out.len())?;
-    if options.sliding_window == Some(0) {
-        // A window of no tokens leaves nothing to attend to (and no unit to split).
-        return Err(KernelError::Value { name: "sliding_window", limit: "> 0".into(), value: 0 });
-    }
+    validate(&inputs, &shape, &options, out.len())?;
     let row_len = shape.num_heads * shape.head_dim;
     let costs: Vec<usize> =
         inputs.seq_lens.iter().map(|&len| visible(len as usize, &options).len()).collect();
@@ -91,7 +88,7 @@ pub fn paged_decode<T: SimdElement>(
 
 /// The context positions a query at the end of `seq_len` tokens sees.
 fn visible(seq_len: usize, options: &DecodeOptions) -> std::ops::Range<usize> {
-    options.sliding_window.map_or(0, |w| seq_len.saturating_sub(w))..seq_len
+    paged::visible(seq_len, options.sliding_window)
 }
 
 /// One request's work: its query heads, scaled, and where each visible context token's keys
@@ -114,11 +111,7 @@ impl<'a, T: SimdElement> Unit<'a, T> {
         let (dim, kv_heads) = (shape.head_dim, shape.num_kv_heads);
         let table = &inputs.block_tables[row * shape.max_blocks_per_seq..];
         let slots = visible(inputs.seq_lens[row] as usize, options)
-            .map(|t| {
-                (table[t / shape.block_size] as usize * shape.block_size + t % shape.block_size)
-                    * kv_heads
-                    * dim
-            })
+            .map(|t| paged::slot(table, t, shape.block_size, kv_heads * dim))
             .collect();
         let row_len = shape.num_heads * dim;
         let mut query = vec![0.0f32; row_len];
@@ -157,28 +150,22 @@ fn attend<T: SimdElement>(unit: &Unit<'_, T>, soft_cap: Option<f32>, out: &mut [
     attend_portable(unit, soft_cap, out);
 }
 
-fn validate<T>(inputs: &DecodeInputs<'_, T>, s: &DecodeShape, out_len: usize) -> Result<(), KernelError> {
-    for (name, value) in
-        [("num_kv_heads", s.num_kv_heads), ("head_dim", s.head_dim), ("block_size", s.block_size)]
-    {
-        if value == 0 {
-            return Err(KernelError::Value { name, limit: "> 0".into(), value: 0 });
-        }
+fn validate<T>(
+    inputs: &DecodeInputs<'_, T>,
+    s: &DecodeShape,
+    options: &DecodeOptions,
+    out_len: usize,
+) -> Result<(), KernelError> {
+    if s.head_dim == 0 {
+        return Err(KernelError::Value { name: "head_dim", limit: "> 0".into(), value: 0 });
     }
-    if s.num_heads == 0 || !s.num_heads.is_multiple_of(s.num_kv_heads) {
-        let limit = format!("a positive multiple of num_kv_heads ({})", s.num_kv_heads);
-        return Err(KernelError::Value { name: "num_heads", limit, value: s.num_heads as i64 });
-    }
+    paged::check_heads(s.num_heads, s.num_kv_heads, s.block_size, options.sliding_window)?;
     let rows = inputs.seq_lens.len();
-    let block_elems = s.block_size * s.num_kv_heads * s.head_dim;
     check_len("query", inputs.query.len(), rows * s.num_heads * s.head_dim)?;
     check_len("out", out_len, rows * s.num_heads * s.head_dim)?;
     check_len("block_tables", inputs.block_tables.len(), rows * s.max_blocks_per_seq)?;
-    check_len("value_cache", inputs.value_cache.len(), inputs.key_cache.len())?;
-    if !inputs.key_cache.len().is_multiple_of(block_elems) {
-        check_len("key_cache", inputs.key_cache.len(), inputs.key_cache.len() / block_elems * block_elems)?;
-    }
-    let num_blocks = (inputs.key_cache.len() / block_elems) as i64;
+    let block_elems = s.block_size * s.num_kv_heads * s.head_dim;
+    let num_blocks = paged::check_caches(inputs.key_cache.len(), inputs.value_cache.len(), block_elems)?;
     let capacity = s.max_blocks_per_seq * s.block_size;
     for (row, &len) in inputs.seq_lens.iter().enumerate() {
         if len <= 0 || len as usize > capacity {
@@ -186,11 +173,11 @@ fn validate<T>(inputs: &DecodeInputs<'_, T>, s: &DecodeShape, out_len: usize) ->
             return Err(KernelError::Value { name: "seq_lens", limit, value: len.into() });
         }
         let used = (len as usize).div_ceil(s.block_size);
-        let table = &inputs.block_tables[row * s.max_blocks_per_seq..][..used];
-        if let Some(&bad) = table.iter().find(|&&b| b < 0 || i64::from(b) >= num_blocks) {
-            let limit = format!("a block id in 0..{num_blocks}");
-            return Err(KernelError::Value { name: "block_tables", limit, value: bad.into() });
-        }
+        paged::check_block_ids(
+            "block_tables",
+            &inputs.block_tables[row * s.max_blocks_per_seq..][..used],
+            num_blocks,
+        )?;
     }
     Ok(())
 }
@@ -389,10 +376,8 @@ mod tests {
             let (dim, group) = (s.head_dim, s.num_heads / s.num_kv_heads);
             let mut out = Vec::new();
             for (row, &len) in self.lens.iter().enumerate() {
-                let slot = |t: usize| {
-                    let block = self.tables[row * s.max_blocks_per_seq + t / s.block_size] as usize;
-                    (block * s.block_size + t % s.block_size) * s.num_kv_heads * dim
-                };
+                let table = &self.tables[row * s.max_blocks_per_seq..];
+                let slot = |t: usize| paged::slot(table, t, s.block_size, s.num_kv_heads * dim);
                 let visible: Vec<usize> = visible(len as usize, options).collect();
                 for h in 0..s.num_heads {
                     let (q, kv) = (&self.query[(row * s.num_heads + h) * dim..][..dim], h / group * dim);

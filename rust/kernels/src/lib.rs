@@ -33,6 +33,7 @@ pub mod gemm;
 pub mod gemv;
 pub mod norm;
 pub mod openmp;
+mod paged;
 pub mod prefill;
 pub mod rotary;
 mod simd;

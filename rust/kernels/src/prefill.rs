@@ -16,6 +16,7 @@ use std::ops::Range;
 
 use crate::error::{check_len, KernelError};
 use crate::openmp::for_each_weighted_share;
+use crate::paged;
 use crate::simd::SimdElement;
 
 #[cfg(target_arch = "x86_64")]
@@ -68,7 +69,7 @@ pub struct PrefillOptions {
 impl PrefillOptions {
     /// The context positions a query at position `pos` sees.
     fn visible(&self, pos: usize) -> Range<usize> {
-        self.sliding_window.map_or(0, |w| (pos + 1).saturating_sub(w))..pos + 1
+        paged::visible(pos + 1, self.sliding_window)
     }
 }
 
@@ -131,9 +132,7 @@ impl<T: SimdElement> Job<'_, T> {
     /// Element offset of context position `t`'s slot: its `kv_heads x head_dim` keys, in order.
     fn slot(&self, t: usize) -> usize {
         let s = &self.shape;
-        (self.inputs.block_table[t / s.block_size] as usize * s.block_size + t % s.block_size)
-            * s.num_kv_heads
-            * s.head_dim
+        paged::slot(self.inputs.block_table, t, s.block_size, s.num_kv_heads * s.head_dim)
     }
 }
 
@@ -143,32 +142,19 @@ fn validate<T>(
     options: &PrefillOptions,
     out_len: usize,
 ) -> Result<(), KernelError> {
-    for (name, value) in
-        [("num_kv_heads", s.num_kv_heads), ("block_size", s.block_size), ("query_len", s.query_len)]
-    {
-        if value == 0 {
-            return Err(KernelError::Value { name, limit: "> 0".into(), value: 0 });
-        }
+    if s.query_len == 0 {
+        return Err(KernelError::Value { name: "query_len", limit: "> 0".into(), value: 0 });
     }
     if !supports(s.head_dim) {
         let limit = "a positive multiple of 64, on a CPU with AVX-512".into();
         return Err(KernelError::Value { name: "head_dim", limit, value: s.head_dim as i64 });
     }
-    if s.num_heads == 0 || !s.num_heads.is_multiple_of(s.num_kv_heads) {
-        let limit = format!("a positive multiple of num_kv_heads ({})", s.num_kv_heads);
-        return Err(KernelError::Value { name: "num_heads", limit, value: s.num_heads as i64 });
-    }
-    if options.sliding_window == Some(0) {
-        return Err(KernelError::Value { name: "sliding_window", limit: "> 0".into(), value: 0 });
-    }
+    paged::check_heads(s.num_heads, s.num_kv_heads, s.block_size, options.sliding_window)?;
     let row_len = s.num_heads * s.head_dim;
     check_len("query", inputs.query.len(), s.query_len * row_len)?;
     check_len("out", out_len, s.query_len * row_len)?;
-    check_len("value_cache", inputs.value_cache.len(), inputs.key_cache.len())?;
     let block_elems = s.block_size * s.num_kv_heads * s.head_dim;
-    if !inputs.key_cache.len().is_multiple_of(block_elems) {
-        check_len("key_cache", inputs.key_cache.len(), inputs.key_cache.len() / block_elems * block_elems)?;
-    }
+    let num_blocks = paged::check_caches(inputs.key_cache.len(), inputs.value_cache.len(), block_elems)?;
     let used = s.context_len().div_ceil(s.block_size);
     if inputs.block_table.len() < used {
         let limit = format!(">= {used} blocks for a context of {} tokens", s.context_len());
@@ -178,12 +164,7 @@ fn validate<T>(
             value: inputs.block_table.len() as i64,
         });
     }
-    let num_blocks = (inputs.key_cache.len() / block_elems) as i64;
-    if let Some(&bad) = inputs.block_table[..used].iter().find(|&&b| b < 0 || i64::from(b) >= num_blocks) {
-        let limit = format!("a block id in 0..{num_blocks}");
-        return Err(KernelError::Value { name: "block_table", limit, value: bad.into() });
-    }
-    Ok(())
+    paged::check_block_ids("block_table", &inputs.block_table[..used], num_blocks)
 }
 
 #[cfg(test)]
@@ -230,11 +211,7 @@ mod tests {
         fn reference(&self, options: &PrefillOptions) -> Vec<f32> {
             let s = &self.shape;
             let (dim, group) = (s.head_dim, s.num_heads / s.num_kv_heads);
-            let slot = |t: usize| {
-                (self.table[t / s.block_size] as usize * s.block_size + t % s.block_size)
-                    * s.num_kv_heads
-                    * dim
-            };
+            let slot = |t: usize| paged::slot(&self.table, t, s.block_size, s.num_kv_heads * dim);
             let mut out = Vec::new();
             for i in 0..s.query_len {
                 let visible: Vec<usize> = options.visible(s.num_computed + i).collect();
