@@ -221,14 +221,18 @@ pub(crate) fn axpy(y: &mut [f32], alpha: f32, x: &[f32]) {
     }
 }
 
+/// ln 2 split in two for the range reduction of [`exp`] (and of the AVX-512 prefill's
+/// exponential): `LN2_HI` has few enough mantissa bits that `n * LN2_HI` is exact for the `n`
+/// an f32 exponent can take, and `LN2_LO` carries the rest.
+pub(crate) const LN2_HI: f32 = 0.693_145_75;
+pub(crate) const LN2_LO: f32 = 1.428_606_8e-6;
+
 /// `e^x` within ~2 ulp, branch-free so it vectorizes (libm's `expf` is a call per element).
 /// Range reduction `x = n ln2 + r` with `|r| <= ln2 / 2`, then a degree-6 Taylor polynomial,
 /// whose truncation error there is ~1.2e-7 relative. Inputs below -87.3 give ~2^-126, not 0.
 #[inline(always)]
 pub(crate) fn exp(x: f32) -> f32 {
     const LOG2E: f32 = std::f32::consts::LOG2_E;
-    const LN2_HI: f32 = 0.693_145_75;
-    const LN2_LO: f32 = 1.428_606_8e-6;
     // Adding then subtracting 1.5 * 2^23 rounds to the nearest integer in float arithmetic.
     const ROUNDER: f32 = 12_582_912.0;
     let x = x.clamp(-87.3, 88.3);

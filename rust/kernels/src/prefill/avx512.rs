@@ -16,7 +16,7 @@ use std::arch::x86_64::*;
 use std::ops::Range;
 
 use super::Job;
-use crate::simd::{has_avx512f, Lanes};
+use crate::simd::{has_avx512f, Lanes, LN2_HI, LN2_LO};
 
 /// Query rows per tile: 6 × [`KEY_VECTORS`] score accumulators and 6 × [`DIM_VECTORS`] output
 /// accumulators, each 24 of the 32 registers.
@@ -37,13 +37,12 @@ pub(super) fn supports(head_dim: usize) -> bool {
 struct Context {
     /// The first position held, a multiple of [`KEYS`]; blocks start here.
     start: usize,
-    /// Positions held: `start..start + len`.
-    len: usize,
-    /// Columns per `keys_t` row: `len` rounded up to whole blocks.
+    /// Columns per `keys_t` row: the positions held rounded up to whole blocks.
     stride: usize,
     /// `[kv_heads, head_dim, stride]` f32; padding columns are zero.
     keys_t: Vec<f32>,
-    /// Element offset of each held position's slot in the caches.
+    /// Element offset of each held position's slot in the caches: positions
+    /// `start..start + slots.len()`.
     slots: Vec<usize>,
 }
 
@@ -94,7 +93,7 @@ unsafe fn gather_keys<T: Lanes>(job: &Job<'_, T>, range: Range<usize>) -> Contex
             *keys_t.get_unchecked_mut(row * stride + i) = k.to_f32();
         }
     }
-    Context { start: range.start, len: range.len(), stride, keys_t, slots }
+    Context { start: range.start, stride, keys_t, slots }
 }
 
 /// `queries[(token * group + j) * dim ..]`: query head `kv_head * group + j` of each token in
@@ -174,7 +173,7 @@ impl TileState {
                     if masked { visible_lanes(base, lo[r]..tile.pos[r] + 1) } else { [!0; KEY_VECTORS] };
                 self.softmax_row(r, scores, visible);
             }
-            let tokens = (vectors * LANES).min(context.len - block * KEYS);
+            let tokens = (vectors * LANES).min(context.slots.len() - block * KEYS);
             let offset = tile.kv_head * self.dim;
             let rows =
                 |t: usize| job.inputs.value_cache.as_ptr().add(context.slots[block * KEYS + t] + offset);
@@ -290,8 +289,6 @@ unsafe fn visible_lanes(base: usize, visible: Range<usize>) -> [__mmask16; KEY_V
 /// in `r`, then `scalef` multiplies by `2^n`, which underflows to 0 as `e^x` does.
 #[inline(always)]
 unsafe fn exp16(x: __m512) -> __m512 {
-    const LN2_HI: f32 = 0.693_145_75;
-    const LN2_LO: f32 = 1.428_606_8e-6;
     let x = _mm512_max_ps(x, _mm512_set1_ps(-104.0));
     let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm512_mul_ps(
         x,
