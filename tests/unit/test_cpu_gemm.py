@@ -94,11 +94,12 @@ def test_the_cpu_mlp_of_a_long_prefill_runs_in_slabs_and_matches_one_pass():
 
 
 @needs_own_gemm
-@pytest.mark.parametrize("rows", [3, 8, 13, 64, 300])
+@pytest.mark.parametrize("rows", [1, 3, 8, 13, 64, 257, 300])
 @pytest.mark.parametrize("shape", [(40, 96), (100, 129), (1153, 896), (896, 300)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_the_own_fp32_gemm_matches_f_linear(rows, shape, with_bias):
-    # Rows around the 8-row block and past the 256-row slab; columns that end mid-vector and
+    # One row (its own loop), rows around the 8-row block and past the 256-row slab (257 leaves
+    # a one-row slab); columns that end mid-vector and
     # mid-panel; k past the 128-row chunk and not a multiple of it. Two threads split the columns.
     gen = torch.Generator().manual_seed(rows)
     x, weight = torch.randn(rows, shape[1], generator=gen), torch.randn(*shape, generator=gen)
@@ -126,7 +127,7 @@ def test_the_gemm_refuses_a_packed_weight_of_the_wrong_size():
 
 
 @needs_own_gemm
-def test_two_rows_and_up_take_the_own_gemm_and_one_row_the_gemv(monkeypatch):
+def test_every_row_count_takes_the_own_gemm_where_it_packed_the_weight(monkeypatch):
     calls = []
     for name in ("gemm", "gemv"):
         real = getattr(cpu_kernels, name)
@@ -135,4 +136,4 @@ def test_two_rows_and_up_take_the_own_gemm_and_one_row_the_gemv(monkeypatch):
         x, weight, bias = _case(torch.float32, rows, True)
         out = linear(x, weight, bias, PackedWeight(weight, bias))
         torch.testing.assert_close(out, F.linear(x, weight, bias), rtol=1e-5, atol=1e-4)
-    assert calls == ["gemv", "gemm", "gemm"]
+    assert calls == ["gemm", "gemm", "gemm"]

@@ -1,6 +1,5 @@
 //! `out = x · weightᵀ + bias` in f32, from a weight packed once into column panels: the linear
-//! layers of batched decode steps (two rows and up; one row goes to [`crate::gemv`]) and of
-//! prefill slabs.
+//! layers of decode steps, batch 1 included, and of prefill slabs.
 //!
 //! The weight `[out_features, in_features]` is stored as panels of [`PANEL_WIDTH`] output
 //! columns, each panel `[in_features, width]` row-major, so one panel row is three 16-lane
@@ -253,8 +252,19 @@ mod tests {
     #[test]
     fn matches_the_reference() {
         // Row counts around the 8-row block, column counts around vectors and panels, k around
-        // the 128-long chunk; 300 rows cross the 256-row slab.
-        let cases = [(3, 40, 96), (8, 48, 128), (13, 100, 129), (32, 896, 300), (1, 17, 5), (300, 64, 33)];
+        // the 128-long chunk; 300 rows cross the 256-row slab. One row takes its own loop, four
+        // panel rows at a time (k = 5 and 129 leave one over); 257 rows end on a one-row slab.
+        let cases = [
+            (3, 40, 96),
+            (8, 48, 128),
+            (13, 100, 129),
+            (32, 896, 300),
+            (1, 17, 5),
+            (1, 100, 129),
+            (1, 1153, 96),
+            (300, 64, 33),
+            (257, 40, 7),
+        ];
         for (rows, n, k) in cases {
             let shape = GemmShape { rows, out_features: n, in_features: k };
             let (x, w, b) = (values(rows * k, 2), values(n * k, 3), values(n, 4));

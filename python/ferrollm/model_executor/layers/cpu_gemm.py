@@ -17,13 +17,15 @@ turns this off.
   natively with AVX512-BF16 or AMX): on the development machine, which has AVX512-BF16, packed
   bf16 doubles the 32-row decode matmuls against fp32.
 
-The packed copy sits beside the dense weight, which stays for one- and two-row products (see
-`linear`), embeddings tied to the LM head, checkpoint saving and tensor-parallel loading.
+The packed copy sits beside the dense weight, which stays for oneDNN's one-row products (see
+`linear`), embeddings tied to the LM head, checkpoint saving and tensor-parallel loading. With
+ferrollm's GEMM the forward pass never reads the dense weight: one row streams the panels as
+fast as the dense rows.
 
-Products of one or two rows, the decode steps of small batches, go to neither: they are bound by
-reading the weight, which `ferrollm.cpu_kernels.gemv` streams at ~28 GB/s where oneDNN reaches
-~20 (fp32 and bf16; see `rust/kernels`). A Qwen2-0.5B-shaped batch-1 step spends 97 products
-and ~85% of its time there.
+Where oneDNN packed the weight (bf16, CPUs without AVX-512), products of one or two rows, the
+decode steps of small batches, go to neither: they are bound by reading the weight, which
+`ferrollm.cpu_kernels.gemv` streams at ~28 GB/s where oneDNN reaches ~20 (see `rust/kernels`).
+A Qwen2-0.5B-shaped batch-1 step spends 97 products and ~85% of its time in them.
 """
 
 from __future__ import annotations
@@ -73,12 +75,12 @@ class PackedWeight:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
            packed: PackedWeight | None) -> torch.Tensor:
-    """`x @ weight.T + bias`: ferrollm's GEMM from two rows on where it packed the weight, the
-    streaming GEMV for one row (or two, where oneDNN packed it), else oneDNN's packed GEMM."""
-    # Two rows stream faster through the GEMM's panels than through the GEMV (cold weights,
-    # 2 threads, three runs: 25.9/35.4/19.0 GB/s against 21.5/29.5/18.3); one row, slower
-    # (25.4/33.0/20.7 against 29.3/37.1/22.0).
-    if (packed is not None and packed.own_gemm and x.dim() == 2 and x.shape[0] >= 2
+    """`x @ weight.T + bias`: ferrollm's GEMM wherever it packed the weight, else the streaming
+    GEMV for one or two rows, else oneDNN's packed GEMM."""
+    # One row streams the GEMM's panels as fast as the GEMV streams the dense weight or faster
+    # (a Qwen2-0.5B-shaped batch-1 step, cold weights, 2 threads, five runs: 27.3-41.5 against
+    # 27.7-38.5 GB/s); two rows, faster (25.9/35.4/19.0 against 21.5/29.5/18.3).
+    if (packed is not None and packed.own_gemm and x.dim() == 2 and x.shape[0] >= 1
             and x.dtype == packed.dtype):
         return cpu_kernels.gemm(x, packed.weight, packed.bias, packed.out_features)
     if cpu_kernels.gemv_supported(x, weight):
