@@ -99,8 +99,8 @@ def test_the_cpu_mlp_of_a_long_prefill_runs_in_slabs_and_matches_one_pass():
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_the_own_fp32_gemm_matches_f_linear(rows, shape, with_bias):
     # One row (its own loop), rows around the 8-row block and past the 256-row slab (257 leaves
-    # a one-row slab); columns that end mid-vector and
-    # mid-panel; k past the 128-row chunk and not a multiple of it. Two threads split the columns.
+    # a one-row slab); columns that end mid-vector and mid-panel; k past the 128-row chunk and
+    # not a multiple of it. Two threads split the columns.
     gen = torch.Generator().manual_seed(rows)
     x, weight = torch.randn(rows, shape[1], generator=gen), torch.randn(*shape, generator=gen)
     bias = torch.randn(shape[0], generator=gen) if with_bias else None

@@ -19,8 +19,8 @@ turns this off.
 
 The packed copy sits beside the dense weight, which stays for oneDNN's one-row products (see
 `linear`), embeddings tied to the LM head, checkpoint saving and tensor-parallel loading. With
-ferrollm's GEMM the forward pass never reads the dense weight: one row streams the panels as
-fast as the dense rows.
+ferrollm's GEMM the forward pass never reads the dense weight: one row streams the panels about
+as fast as the dense rows.
 
 Where oneDNN packed the weight (bf16, CPUs without AVX-512), products of one or two rows, the
 decode steps of small batches, go to neither: they are bound by reading the weight, which
@@ -77,9 +77,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
            packed: PackedWeight | None) -> torch.Tensor:
     """`x @ weight.T + bias`: ferrollm's GEMM wherever it packed the weight, else the streaming
     GEMV for one or two rows, else oneDNN's packed GEMM."""
-    # One row streams the GEMM's panels as fast as the GEMV streams the dense weight or faster
-    # (a Qwen2-0.5B-shaped batch-1 step, cold weights, 2 threads, five runs: 27.3-41.5 against
-    # 27.7-38.5 GB/s); two rows, faster (25.9/35.4/19.0 against 21.5/29.5/18.3).
+    # One row streams the GEMM's panels about as fast as the GEMV streams the dense weight, or
+    # faster (a Qwen2-0.5B-shaped batch-1 step, cold weights, 2 threads, five runs: 25.3-40.9
+    # against 26.5-36.8 GB/s); two rows, faster (25.9/35.4/19.0 against 21.5/29.5/18.3).
     if (packed is not None and packed.own_gemm and x.dim() == 2 and x.shape[0] >= 1
             and x.dtype == packed.dtype):
         return cpu_kernels.gemm(x, packed.weight, packed.bias, packed.out_features)

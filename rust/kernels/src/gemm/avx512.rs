@@ -87,7 +87,9 @@ const ONE_ROW_UNROLL: usize = 4;
 /// and prefetch a line per panel row into L1; over a Qwen2-0.5B-shaped batch-1 step (fp32,
 /// 2 threads, cold weights) it streamed ~12% slower than [`crate::gemv`] over the dense weight.
 /// This loop, four panel rows per step into four sets of accumulators so no FMA waits on the
-/// one before, streams as fast as that GEMV (27.3-41.5 against 27.7-38.5 GB/s over five runs).
+/// one before, streams about as fast as that GEMV or faster: over five runs, 25.3-40.9 against
+/// 26.5-36.8 GB/s, within 6% either way where the machine read ~30 GB/s and 11-12% ahead in
+/// the two runs where it read ~50.
 #[inline(always)]
 unsafe fn one_row<const V: usize>(job: &Job<'_>, tile: Tile, row: usize, out: *mut f32) {
     let k_len = job.panels.in_features;
