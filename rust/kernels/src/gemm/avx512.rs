@@ -13,7 +13,7 @@
 use std::arch::x86_64::*;
 use std::ops::Range;
 
-use super::{Job, LANES, PANEL_WIDTH};
+use super::{Job, Panels, LANES, PANEL_WIDTH};
 
 /// Rows per micro-kernel call: 8 rows × 3 vectors = 24 accumulators, with the 3 panel vectors
 /// and the broadcast inside the 32 registers.
@@ -45,36 +45,75 @@ struct Tile {
     next: *const f32,
 }
 
+/// Where a tile's results go: the tile's first column of row `r` is at `ptr + r * stride`.
+#[derive(Clone, Copy)]
+struct Target {
+    ptr: *mut f32,
+    stride: usize,
+}
+
+impl Target {
+    fn row(&self, r: usize) -> *mut f32 {
+        self.ptr.wrapping_add(r * self.stride)
+    }
+}
+
+impl Tile {
+    /// The `span` columns from `col`, which lie inside one panel of `job`'s weight.
+    unsafe fn new(job: &Job<'_>, col: usize, span: usize) -> Self {
+        let panels = job.panels;
+        let (panel, within) = (col / PANEL_WIDTH, col % PANEL_WIDTH);
+        let tail = span - (span.div_ceil(LANES) - 1) * LANES;
+        Tile {
+            weight: job.packed.as_ptr().add(panels.offset(panel) + within),
+            stride: panels.width(panel),
+            col,
+            mask: if tail == LANES { !0 } else { (1 << tail) - 1 },
+            next: job.packed.as_ptr().wrapping_add(panels.offset(panel + 1)),
+        }
+    }
+}
+
+/// The slabs of [`ROW_SLAB`] rows that each pass over the weight.
+fn slabs(rows: usize) -> impl Iterator<Item = Range<usize>> {
+    (0..rows).step_by(ROW_SLAB).map(move |start| start..(start + ROW_SLAB).min(rows))
+}
+
+/// The tiles of a thread's columns `cols`, runs of at most one panel, as `(first column, columns)`.
+fn tiles(panels: Panels, cols: Range<usize>) -> impl Iterator<Item = (usize, usize)> {
+    let mut col = cols.start;
+    std::iter::from_fn(move || {
+        if col >= cols.end {
+            return None;
+        }
+        let span = (panels.width(col / PANEL_WIDTH) - col % PANEL_WIDTH).min(cols.end - col);
+        col += span;
+        Some((col - span, span))
+    })
+}
+
 /// # Safety
 /// As [`Job::run`]; the CPU has AVX-512F and `in_features > 0`.
 #[target_feature(enable = "avx512f")]
 pub(super) unsafe fn run(job: &Job<'_>, cols: Range<usize>, out: *mut f32) {
-    let panels = job.panels;
-    for slab in (0..job.rows).step_by(ROW_SLAB) {
-        let rows = slab..(slab + ROW_SLAB).min(job.rows);
-        let mut col = cols.start;
-        while col < cols.end {
-            let (panel, within) = (col / PANEL_WIDTH, col % PANEL_WIDTH);
-            let span = (panels.width(panel) - within).min(cols.end - col);
-            let vectors = span.div_ceil(LANES);
-            let tail = span - (vectors - 1) * LANES;
-            let tile = Tile {
-                weight: job.packed.as_ptr().add(panels.offset(panel) + within),
-                stride: panels.width(panel),
-                col,
-                mask: if tail == LANES { !0 } else { (1 << tail) - 1 },
-                next: job.packed.as_ptr().wrapping_add(panels.offset(panel + 1)),
-            };
-            match (rows.len(), vectors) {
-                (1, 3) => one_row::<3>(job, tile, slab, out),
-                (1, 2) => one_row::<2>(job, tile, slab, out),
-                (1, _) => one_row::<1>(job, tile, slab, out),
-                (_, 3) => tile_pass::<3>(job, tile, rows.clone(), out),
-                (_, 2) => tile_pass::<2>(job, tile, rows.clone(), out),
-                _ => tile_pass::<1>(job, tile, rows.clone(), out),
-            }
-            col += span;
+    for rows in slabs(job.rows) {
+        for (col, span) in tiles(job.panels, cols.clone()) {
+            let target = Target { ptr: out.add(col), stride: job.panels.out_features };
+            pass(job, Tile::new(job, col, span), span, rows.clone(), target);
         }
+    }
+}
+
+/// One tile of `job` for `rows`, into `target`.
+#[inline(always)]
+unsafe fn pass(job: &Job<'_>, tile: Tile, span: usize, rows: Range<usize>, target: Target) {
+    match (rows.len(), span.div_ceil(LANES)) {
+        (1, 3) => one_row::<3>(job, tile, rows.start, target),
+        (1, 2) => one_row::<2>(job, tile, rows.start, target),
+        (1, _) => one_row::<1>(job, tile, rows.start, target),
+        (_, 3) => tile_pass::<3>(job, tile, rows, target),
+        (_, 2) => tile_pass::<2>(job, tile, rows, target),
+        _ => tile_pass::<1>(job, tile, rows, target),
     }
 }
 
@@ -91,7 +130,7 @@ const ONE_ROW_UNROLL: usize = 4;
 /// 26.5-36.8 GB/s, within 6% either way where the machine read ~30 GB/s and 11-12% ahead in
 /// the two runs where it read ~50.
 #[inline(always)]
-unsafe fn one_row<const V: usize>(job: &Job<'_>, tile: Tile, row: usize, out: *mut f32) {
+unsafe fn one_row<const V: usize>(job: &Job<'_>, tile: Tile, row: usize, target: Target) {
     let k_len = job.panels.in_features;
     let x = job.x.as_ptr().add(row * k_len);
     let mut acc = [[_mm512_setzero_ps(); V]; ONE_ROW_UNROLL];
@@ -110,7 +149,7 @@ unsafe fn one_row<const V: usize>(job: &Job<'_>, tile: Tile, row: usize, out: *m
     for k in whole..k_len {
         fma(&mut acc[0], k);
     }
-    let at = out.add(row * job.panels.out_features + tile.col);
+    let at = target.row(row);
     let bias = job.bias.map(|b| b[tile.col..].as_ptr());
     let [a, b, c, d] = acc;
     for v in 0..V {
@@ -133,8 +172,8 @@ unsafe fn one_row<const V: usize>(job: &Job<'_>, tile: Tile, row: usize, out: *m
 
 /// One tile for the rows `rows`, chunk by chunk of panel rows.
 #[inline(always)]
-unsafe fn tile_pass<const V: usize>(job: &Job<'_>, tile: Tile, rows: Range<usize>, out: *mut f32) {
-    let (k_len, n_len) = (job.panels.in_features, job.panels.out_features);
+unsafe fn tile_pass<const V: usize>(job: &Job<'_>, tile: Tile, rows: Range<usize>, target: Target) {
+    let k_len = job.panels.in_features;
     let blocks = rows.len().div_ceil(ROW_BLOCK);
     let lines = (K_CHUNK * tile.stride * std::mem::size_of::<f32>()).div_ceil(LINE);
     let per_block = lines.div_ceil(blocks);
@@ -150,8 +189,8 @@ unsafe fn tile_pass<const V: usize>(job: &Job<'_>, tile: Tile, rows: Range<usize
                 weight: tile.weight.add(k0 * tile.stride),
                 weight_stride: tile.stride,
                 chunk,
-                out: out.add(r0 * n_len + tile.col),
-                out_stride: n_len,
+                out: target.row(r0),
+                out_stride: target.stride,
                 mask: tile.mask,
                 first: k0 == 0,
                 bias,
