@@ -19,6 +19,7 @@ __all__ = [
     "cpu_gemm",
     "cpu_gemm_pack",
     "cpu_gemm_packed_len",
+    "cpu_gemm_silu_mul",
     "cpu_gemm_vectorized",
     "cpu_gemv",
     "cpu_openmp_attach",
@@ -283,6 +284,16 @@ def cpu_gemm(
     out: _Buffer,
     rows: int,
     out_features: int,
+    in_features: int,
+    threads: int,
+) -> None: ...
+def cpu_gemm_silu_mul(
+    x: _Buffer,
+    packed: _Buffer,
+    bias: _Buffer | None,
+    out: _Buffer,
+    rows: int,
+    width: int,
     in_features: int,
     threads: int,
 ) -> None: ...

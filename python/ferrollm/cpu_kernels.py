@@ -30,8 +30,8 @@ import torch
 from ferrollm import _core
 from ferrollm.exceptions import KernelError
 
-__all__ = ["GEMV_MAX_ROWS", "fused_add_rms_norm", "gemm", "gemm_pack", "gemm_supported", "gemv", "gemv_supported",
-           "paged_decode", "paged_decode_supported", "paged_prefill", "paged_prefill_supported",
+__all__ = ["GEMV_MAX_ROWS", "fused_add_rms_norm", "gemm", "gemm_pack", "gemm_silu_mul", "gemm_supported", "gemv",
+           "gemv_supported", "paged_decode", "paged_decode_supported", "paged_prefill", "paged_prefill_supported",
            "rms_norm", "rotary_neox", "rotary_supported", "silu_and_mul",
            "supports", "write_kv", "write_kv_supported"]
 
@@ -137,13 +137,21 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     return out
 
 
-def gemm_pack(weight: torch.Tensor) -> torch.Tensor:
+def gemm_pack(weight: torch.Tensor, parts: int = 1) -> torch.Tensor:
     """``weight`` (``[out, in]``, fp32) in :func:`gemm`'s panel layout: a flat fp32 tensor.
-    Call only where :func:`gemm_supported` holds."""
+    ``parts=2`` packs each half of the rows on its own, one after the other: the layout
+    :func:`gemm_silu_mul` reads a ``[gate, up]`` weight in. Call only where :func:`gemm_supported`
+    holds."""
     weight = weight.detach().contiguous()
     out_features, in_features = weight.shape
-    packed = torch.empty(_core.cpu_gemm_packed_len(out_features, in_features), dtype=torch.float32)
-    _core.cpu_gemm_pack(_buf(weight), _buf(packed), out_features, in_features, _threads())
+    if parts < 1 or out_features % parts:
+        raise KernelError(f"`parts` must be >= 1 and divide the {out_features} output features. Given: {parts}")
+    rows = out_features // parts
+    size = _core.cpu_gemm_packed_len(rows, in_features)
+    packed = torch.empty(parts * size, dtype=torch.float32)
+    for i in range(parts):
+        part, dst = weight[i * rows:(i + 1) * rows], packed[i * size:(i + 1) * size]
+        _core.cpu_gemm_pack(_buf(part), _buf(dst), rows, in_features, _threads())
     return packed
 
 
@@ -156,6 +164,20 @@ def gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_f
     bias = None if bias is None else bias.contiguous()
     _core.cpu_gemm(_buf(x), _buf(packed), None if bias is None else _buf(bias), _buf(out),
                    rows, out_features, in_features, _threads())
+    return out
+
+
+def gemm_silu_mul(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, width: int) -> torch.Tensor:
+    """``silu(gate) * up`` of ``[gate, up] = x @ weight.T + bias`` in one pass, for fp32 ``x``:
+    ``[rows, in]`` and ``packed`` from ``gemm_pack(weight, parts=2)`` of a ``[2 * width, in]``
+    weight; the ``[rows, 2 * width]`` product is never materialized. Equal, bit for bit, to
+    :func:`gemm` then :func:`silu_and_mul`."""
+    x = x.contiguous()
+    rows, in_features = x.shape
+    out = x.new_empty((rows, width))
+    bias = None if bias is None else bias.contiguous()
+    _core.cpu_gemm_silu_mul(_buf(x), _buf(packed), None if bias is None else _buf(bias), _buf(out),
+                            rows, width, in_features, _threads())
     return out
 
 

@@ -137,3 +137,48 @@ def test_every_row_count_takes_the_own_gemm_where_it_packed_the_weight(monkeypat
         out = linear(x, weight, bias, PackedWeight(weight, bias))
         torch.testing.assert_close(out, F.linear(x, weight, bias), rtol=1e-5, atol=1e-4)
     assert calls == ["gemm", "gemm", "gemm"]
+
+
+@needs_own_gemm
+@pytest.mark.parametrize("rows", [1, 3, 32, 257])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_the_gated_gemm_is_the_gemm_then_silu_and_mul_bit_for_bit(rows, with_bias):
+    gen = torch.Generator().manual_seed(rows)
+    x, weight = torch.randn(rows, 96, generator=gen), torch.randn(2 * 56, 96, generator=gen)
+    bias = torch.randn(2 * 56, generator=gen) if with_bias else None
+    want = cpu_kernels.silu_and_mul(cpu_kernels.gemm(x, cpu_kernels.gemm_pack(weight), bias, 2 * 56))
+    got = cpu_kernels.gemm_silu_mul(x, cpu_kernels.gemm_pack(weight, parts=2), bias, 56)
+    assert torch.equal(got, want)
+    gate, up = F.linear(x.double(), weight.double(), None if bias is None else bias.double()).chunk(2, dim=1)
+    torch.testing.assert_close(got.double(), F.silu(gate) * up, rtol=1e-5, atol=2e-4)
+
+
+def test_gemm_pack_refuses_parts_that_do_not_divide_the_rows():
+    with pytest.raises(KernelError, match=r"`parts` must be >= 1 and divide the 5 output features. Given: 2"):
+        cpu_kernels.gemm_pack(torch.randn(5, 8), parts=2)
+
+
+@needs_own_gemm
+def test_a_silu_mlp_runs_gate_up_and_the_activation_as_one_kernel(monkeypatch):
+    torch.manual_seed(0)
+    mlp = LlamaMLP(32, 48, "silu", False, torch.float32)
+    for param in mlp.parameters():
+        torch.nn.init.normal_(param, std=0.2)
+    x = torch.randn(5, 32)
+    unpacked = mlp(x)
+    mlp.gate_up_proj.pack_for_cpu()
+    mlp.down_proj.pack_for_cpu()
+    calls = []
+    for name in ("gemm", "gemm_silu_mul", "silu_and_mul"):
+        real = getattr(cpu_kernels, name)
+        monkeypatch.setattr(cpu_kernels, name, lambda *a, _n=name, _f=real: calls.append(_n) or _f(*a))
+    torch.testing.assert_close(mlp(x), unpacked, rtol=1e-5, atol=1e-5)
+    assert calls == ["gemm_silu_mul", "gemm"]
+    # The gated pack still serves the plain product, half by half.
+    torch.testing.assert_close(mlp.gate_up_proj(x), F.linear(x, mlp.gate_up_proj.weight), rtol=1e-5, atol=1e-5)
+
+
+def test_an_mlp_with_another_activation_packs_gate_up_whole():
+    mlp = LlamaMLP(32, 48, "gelu_pytorch_tanh", False, torch.float32)
+    mlp.gate_up_proj.pack_for_cpu()
+    assert not mlp.gate_up_proj.gated and mlp.gate_up_proj.silu_and_mul(torch.randn(2, 32)) is None

@@ -8,7 +8,7 @@
 
 use ferrollm_kernels::attention::{paged_decode, DecodeInputs, DecodeOptions, DecodeShape};
 use ferrollm_kernels::cache::{write_kv, CacheWriteShape};
-use ferrollm_kernels::gemm::{gemm, pack_weight, packed_len, vectorized, GemmShape};
+use ferrollm_kernels::gemm::{gemm, gemm_silu_mul, pack_weight, packed_len, vectorized, GemmShape};
 use ferrollm_kernels::gemv::{gemv, GemvShape};
 use ferrollm_kernels::norm::{fused_add_rms_norm, rms_norm, RmsNormWeight};
 use ferrollm_kernels::prefill::{self, paged_prefill, PrefillInputs, PrefillOptions, PrefillShape};
@@ -138,6 +138,29 @@ pub fn cpu_gemm(
     let (x, packed, bias, out) =
         unsafe { (view::<f32>(x), view::<f32>(packed), bias.map(|b| view::<f32>(b)), view_mut::<f32>(out)) };
     py.detach(|| gemm(x, packed, bias, out, shape, threads)).map_err(kernel_error)
+}
+
+/// `out[rows, width] = silu(x · w_gateᵀ + b_gate) · (x · w_upᵀ + b_up)` in fp32, `packed` holding
+/// `w_gate` then `w_up`, each packed by `cpu_gemm_pack`.
+#[pyfunction]
+#[pyo3(signature = (x, packed, bias, out, rows, width, in_features, threads))]
+#[allow(clippy::too_many_arguments)]
+pub fn cpu_gemm_silu_mul(
+    py: Python<'_>,
+    x: Buffer,
+    packed: Buffer,
+    bias: Option<Buffer>,
+    out: Buffer,
+    rows: usize,
+    width: usize,
+    in_features: usize,
+    threads: usize,
+) -> PyResult<()> {
+    let shape = GemmShape { rows, out_features: width, in_features };
+    // SAFETY: see the module doc; `out` is a fresh tensor.
+    let (x, packed, bias, out) =
+        unsafe { (view::<f32>(x), view::<f32>(packed), bias.map(|b| view::<f32>(b)), view_mut::<f32>(out)) };
+    py.detach(|| gemm_silu_mul(x, packed, bias, out, shape, threads)).map_err(kernel_error)
 }
 
 /// `out[row, head] = attention(query[row, head], row's first seq_lens[row] cached tokens)`.

@@ -36,6 +36,13 @@ multiversion!(fn silu_mul_row<T>(x: &[T], out: &mut [T]) => silu_mul_row_body);
 #[inline(always)]
 fn silu_mul_row_body<T: Element>(x: &[T], out: &mut [T]) {
     let (gate, up) = x.split_at(out.len());
+    silu_mul(gate, up, out);
+}
+
+/// `out = silu(gate) * up`, element by element; inlined into vectorized callers (the GEMM's
+/// gated epilogue too), so the loop vectorizes with their target features.
+#[inline(always)]
+pub(crate) fn silu_mul<T: Element>(gate: &[T], up: &[T], out: &mut [T]) {
     for ((o, g), u) in out.iter_mut().zip(gate).zip(up) {
         let g = g.to_f32();
         *o = T::from_f32(round::<T>(g / (1.0 + exp(-g))) * u.to_f32());

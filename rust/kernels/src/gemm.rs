@@ -20,6 +20,7 @@
 
 use std::ops::Range;
 
+use crate::activation::silu_mul;
 use crate::error::{check_len, KernelError};
 use crate::openmp;
 
@@ -172,6 +173,78 @@ pub fn gemm(
     Ok(())
 }
 
+/// `out[r, n] = silu(gate[r, n]) · up[r, n]` for a gated MLP's `[gate, up]` projection, where
+/// `gate = x · w_gateᵀ + b_gate` and `up` likewise: [`gemm`] and SiLU-and-mul in one pass, so
+/// the `[rows, 2 · width]` product is never written out and read back. `shape.out_features` is
+/// `width`; `packed` is `w_gate` then `w_up`, each in [`pack_weight`]'s form ([`packed_len`]
+/// elements); `bias`, when given, is `[b_gate, b_up]`. Each product's values are bit for bit
+/// [`gemm`]'s, and the activation is `activation::silu_and_mul`'s.
+pub fn gemm_silu_mul(
+    x: &[f32],
+    packed: &[f32],
+    bias: Option<&[f32]>,
+    out: &mut [f32],
+    shape: GemmShape,
+    threads: usize,
+) -> Result<(), KernelError> {
+    let GemmShape { rows, out_features: width, in_features } = shape;
+    let panels = Panels::new(width, in_features);
+    check_len("x", x.len(), rows * in_features)?;
+    check_len("packed", packed.len(), 2 * panels.len())?;
+    check_len("out", out.len(), rows * width)?;
+    if let Some(bias) = bias {
+        check_len("bias", bias.len(), 2 * width)?;
+    }
+    if rows == 0 || width == 0 {
+        return Ok(());
+    }
+    let (gate_w, up_w) = packed.split_at(panels.len());
+    let (gate_b, up_b) = match bias.map(|b| b.split_at(width)) {
+        Some((g, u)) => (Some(g), Some(u)),
+        None => (None, None),
+    };
+    let gate = Job { x, packed: gate_w, bias: gate_b, panels, rows };
+    let up = Job { packed: up_w, bias: up_b, ..gate };
+    let dst = openmp::SharedMut(out.as_mut_ptr());
+    let vectors = panels.padded / LANES;
+    openmp::parallel(threads.min(vectors), |thread, team| {
+        let share = openmp::share(vectors, thread, team);
+        let cols = share.start * LANES..(share.end * LANES).min(width);
+        // SAFETY: each thread writes only the columns `cols` of `out`, whose length was checked.
+        unsafe { run_gated(&gate, &up, cols, dst.get()) };
+    });
+    Ok(())
+}
+
+/// # Safety
+/// As [`Job::run`], for both jobs.
+unsafe fn run_gated(gate: &Job<'_>, up: &Job<'_>, cols: Range<usize>, out: *mut f32) {
+    if cols.is_empty() {
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if avx512::available() && gate.panels.in_features > 0 {
+        return avx512::run_gated(gate, up, cols, out);
+    }
+    run_gated_portable(gate, up, cols, out);
+}
+
+/// The reference loop: both products of this thread's columns, then the activation.
+///
+/// # Safety
+/// As [`run_gated`].
+unsafe fn run_gated_portable(gate: &Job<'_>, up: &Job<'_>, cols: Range<usize>, out: *mut f32) {
+    let width = gate.panels.out_features;
+    let (mut g, mut u) = (vec![0.0; gate.rows * width], vec![0.0; gate.rows * width]);
+    gate.run_portable(cols.clone(), g.as_mut_ptr());
+    up.run_portable(cols.clone(), u.as_mut_ptr());
+    for r in 0..gate.rows {
+        let at = r * width;
+        let dst = std::slice::from_raw_parts_mut(out.add(at + cols.start), cols.len());
+        silu_mul(&g[at + cols.start..at + cols.end], &u[at + cols.start..at + cols.end], dst);
+    }
+}
+
 /// One call's operands, shared by the team.
 #[derive(Clone, Copy)]
 struct Job<'a> {
@@ -277,6 +350,48 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn gated_is_the_gemm_then_silu_and_mul_bit_for_bit() {
+        // One row, a few rows, rows across the 256-row slab; widths around vectors and panels.
+        for (rows, width, k) in [(1, 40, 96), (5, 100, 129), (9, 48, 7), (300, 70, 33)] {
+            let (x, w, b) = (values(rows * k, 9), values(2 * width * k, 10), values(2 * width, 11));
+            let mut both = packed(&w[..width * k], width, k);
+            both.extend(packed(&w[width * k..], width, k));
+            let merged = packed(&w, 2 * width, k);
+            for bias in [None, Some(b.as_slice())] {
+                let mut product = vec![f32::NAN; rows * 2 * width];
+                let shape = GemmShape { rows, out_features: 2 * width, in_features: k };
+                gemm(&x, &merged, bias, &mut product, shape, 2).unwrap();
+                let mut want = vec![f32::NAN; rows * width];
+                crate::activation::silu_and_mul(&product, width, &mut want, 1).unwrap();
+                for threads in [1, 2] {
+                    let mut got = vec![f32::NAN; rows * width];
+                    let shape = GemmShape { rows, out_features: width, in_features: k };
+                    gemm_silu_mul(&x, &both, bias, &mut got, shape, threads).unwrap();
+                    assert_eq!(got, want, "{shape:?} bias {} threads {threads}", bias.is_some());
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn the_portable_gated_loop_agrees_with_the_reference() {
+        let (rows, width, k) = (3, 20, 11);
+        let (x, w) = (values(rows * k, 12), values(2 * width * k, 13));
+        let mut both = packed(&w[..width * k], width, k);
+        both.extend(packed(&w[width * k..], width, k));
+        let panels = Panels::new(width, k);
+        let gate = Job { x: &x, packed: &both[..panels.len()], bias: None, panels, rows };
+        let up = Job { packed: &both[panels.len()..], ..gate };
+        let mut got = vec![f32::NAN; rows * width];
+        // SAFETY: one thread, every column, `got` sized to the shape.
+        unsafe { run_gated_portable(&gate, &up, 0..width, got.as_mut_ptr()) };
+        let product = reference(&x, &w, None, GemmShape { rows, out_features: 2 * width, in_features: k });
+        let mut want = vec![0.0; rows * width];
+        crate::activation::silu_and_mul(&product, width, &mut want, 1).unwrap();
+        assert_close(&got, &want, "portable gated");
     }
 
     #[test]

@@ -22,7 +22,7 @@ from ferrollm.distributed import (
     tensor_model_parallel_all_reduce,
 )
 from ferrollm.exceptions import CheckpointError, ConfigError
-from ferrollm.model_executor.layers.cpu_gemm import PackedWeight, linear
+from ferrollm.model_executor.layers.cpu_gemm import PackedWeight, linear, silu_and_mul_linear
 from ferrollm.model_executor.weight_utils import copy_weight, share_or_copy
 
 __all__ = [
@@ -93,15 +93,17 @@ class LinearBase(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
         raise NotImplementedError
 
-    # The packed oneDNN copy of the weight, set by `pack_for_cpu` after loading (CPU, fp32).
+    # The packed copy of the weight, set by `pack_for_cpu` after loading (CPU).
     _packed: PackedWeight | None = None
+    # Whether the output is a `[gate, up]` pair that feeds `silu(gate) * up` (see `silu_and_mul`).
+    gated: bool = False
 
     def _bias_on_this_rank(self) -> torch.Tensor | None:
         return self.bias
 
     def pack_for_cpu(self) -> None:
-        """Packs the loaded weight for oneDNN (see `cpu_gemm`)."""
-        self._packed = PackedWeight(self.weight, self._bias_on_this_rank())
+        """Packs the loaded weight for the CPU's matrix products (see `cpu_gemm`)."""
+        self._packed = PackedWeight(self.weight, self._bias_on_this_rank(), gated=self.gated)
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return linear(x, self.weight, bias, self._packed)
@@ -173,6 +175,12 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         for size in self.output_sizes:
             divide(size, get_tensor_model_parallel_world_size(), "projection size")
         super().__init__(input_size, sum(self.output_sizes), bias, params_dtype=params_dtype)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
+        """``silu(gate) * up`` of this ``[gate, up]`` projection in one CPU kernel, where the weight
+        was packed for it (``gated`` set before loading); None where the caller must run the
+        projection and the activation apart."""
+        return silu_and_mul_linear(x, self._packed)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
                       loaded_shard_id: int | None = None) -> None:

@@ -22,7 +22,7 @@ from transformers import PretrainedConfig
 
 from ferrollm.attention.backend import AttentionMetadata
 from ferrollm.attention.layer import Attention
-from ferrollm.model_executor.layers.activation import get_act_and_mul
+from ferrollm.model_executor.layers.activation import SiluAndMul, get_act_and_mul
 from ferrollm.model_executor.layers.cpu_gemm import MLP_SLAB_ROWS, row_slabs
 from ferrollm.model_executor.layers.linear import (
     MergedColumnParallelLinear,
@@ -84,6 +84,8 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias, dtype)
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias, params_dtype=dtype)
         self.act_fn = get_act_and_mul(hidden_act)
+        # SiLU runs inside the CPU GEMM of gate/up, whose weight is then packed half by half.
+        self.gate_up_proj.gated = isinstance(self.act_fn, SiluAndMul)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type == "cpu":
@@ -92,7 +94,10 @@ class LlamaMLP(nn.Module):
         return self._mlp(x)
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        gated = self.gate_up_proj.silu_and_mul(x) if self.gate_up_proj.gated else None
+        if gated is None:
+            gated = self.act_fn(self.gate_up_proj(x))
+        return self.down_proj(gated)
 
 
 class LlamaAttention(nn.Module):

@@ -9,11 +9,15 @@
 //!
 //! A slab of one row (a batch-1 decode step) takes [`one_row`] instead: it streams each panel
 //! once, start to end, and leaves the prefetching to the hardware, which follows one stream.
+//!
+//! [`run_gated`] runs a gate tile and the matching up tile into two scratch tiles, then writes
+//! `silu(gate) * up` from them: the gated MLP's product never leaves L2.
 
 use std::arch::x86_64::*;
 use std::ops::Range;
 
 use super::{Job, Panels, LANES, PANEL_WIDTH};
+use crate::activation::silu_mul;
 
 /// Rows per micro-kernel call: 8 rows × 3 vectors = 24 accumulators, with the 3 panel vectors
 /// and the broadcast inside the 32 registers.
@@ -100,6 +104,37 @@ pub(super) unsafe fn run(job: &Job<'_>, cols: Range<usize>, out: *mut f32) {
         for (col, span) in tiles(job.panels, cols.clone()) {
             let target = Target { ptr: out.add(col), stride: job.panels.out_features };
             pass(job, Tile::new(job, col, span), span, rows.clone(), target);
+        }
+    }
+}
+
+/// [`super::gemm_silu_mul`]'s share of a thread: for each tile, the gate's and the up's products
+/// into two scratch tiles that stay in L2, then `silu(gate) * up` into `out` (`width` columns).
+///
+/// # Safety
+/// As [`run`], for both jobs, which have the same shape; `out` addresses `rows * width` elements.
+#[target_feature(enable = "avx512f")]
+pub(super) unsafe fn run_gated(gate: &Job<'_>, up: &Job<'_>, cols: Range<usize>, out: *mut f32) {
+    let width = gate.panels.out_features;
+    let tile_len = gate.rows.min(ROW_SLAB) * PANEL_WIDTH;
+    let mut scratch = vec![0.0f32; 2 * tile_len];
+    let (g, u) = scratch.split_at_mut(tile_len);
+    for rows in slabs(gate.rows) {
+        // Row `r` of the slab lands at `(r - rows.start) * PANEL_WIDTH` of a scratch tile.
+        let into = |buf: &mut [f32]| Target {
+            ptr: buf.as_mut_ptr().wrapping_sub(rows.start * PANEL_WIDTH),
+            stride: PANEL_WIDTH,
+        };
+        for (col, span) in tiles(gate.panels, cols.clone()) {
+            let (tile_g, tile_u) = (Tile::new(gate, col, span), Tile::new(up, col, span));
+            // Each pass prefetches what comes after it: the up tile, then the gate's next panel.
+            pass(gate, Tile { next: tile_u.weight, ..tile_g }, span, rows.clone(), into(g));
+            pass(up, Tile { next: tile_g.next, ..tile_u }, span, rows.clone(), into(u));
+            for r in 0..rows.len() {
+                let at = r * PANEL_WIDTH;
+                let dst = std::slice::from_raw_parts_mut(out.add((rows.start + r) * width + col), span);
+                silu_mul(&g[at..at + span], &u[at..at + span], dst);
+            }
         }
     }
 }
