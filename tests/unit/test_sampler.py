@@ -65,6 +65,24 @@ def test_sampler_leaves_the_callers_logits_alone(logits):
     assert torch.equal(logits, before)
 
 
+@pytest.mark.parametrize("per_row, edits", [
+    ({}, False),  # plain sampling at temperature 1: nothing in place, no private copy
+    ({"temperature": 0.0}, False),
+    ({"top_k": 3, "top_p": 0.9, "min_p": 0.1}, False),  # the filters return new tensors
+    ({"temperature": 0.7}, True),
+    ({"temperature": np.array([0.0, 1.0, 1.0, 1.0, 1.0, 1.0])}, True),  # greedy rows divide by 1
+    ({"logit_bias": [{3: 1.0}] + [None] * 5}, True),
+    ({"presence_penalty": 1.0, "prompt_token_ids": [[1]] * 6, "output_token_ids": [[2]] * 6}, True),
+])
+def test_the_sampler_copies_the_logits_only_where_a_stage_edits_them(logits, per_row, edits):
+    meta = make_meta(6, 40, **per_row)
+    assert meta.edits_logits == edits
+    before = logits.clone()
+    for _ in range(3):
+        Sampler()(logits, meta)
+    assert torch.equal(logits, before)
+
+
 @pytest.mark.parametrize("filters", [{"top_k": 1}, {"top_p": 1e-6}, {"top_k": 1, "top_p": 0.5},
                                      {"min_p": 1.0}])
 def test_filters_that_keep_one_token_are_greedy(logits, filters):

@@ -53,8 +53,9 @@ class Sampler:
         Returns:
             The `SamplerOutput`.
         """
-        # A private float32 copy: every stage below works in place on it.
-        logits = logits.to(torch.float32, copy=True)
+        # A private float32 copy where a stage below works in place on it. Plain sampling at
+        # temperature 1 changes nothing in place: the copy would be a pass over R x V floats.
+        logits = logits.to(torch.float32, copy=meta.edits_logits)
         num_logprobs = meta.max_num_logprobs
         # vLLM v1's default ("raw_logprobs"): what the model said, before any processing.
         raw_logprobs = None if num_logprobs is None else logits.log_softmax(dim=-1)
@@ -91,7 +92,8 @@ class Sampler:
         temperature = meta.temperature
         if not meta.all_random:
             temperature = torch.where(temperature < SAMPLING_EPS, 1.0, temperature)
-        logits.div_(temperature.unsqueeze(1))
+        if not (meta.all_random and meta.unit_temperature):  # x / 1 is x
+            logits.div_(temperature.unsqueeze(1))
         if meta.min_p is not None:
             logits = ops.apply_min_p(logits, meta.min_p)
         logits = ops.apply_top_k_top_p(logits, meta.top_k, meta.max_top_k, meta.top_p)

@@ -50,6 +50,7 @@ class SamplingMetadata:
         temperature: float32 [R]; rows below `SAMPLING_EPS` are greedy.
         all_greedy: Every row is greedy.
         all_random: No row is greedy.
+        unit_temperature: Every temperature is exactly 1, so dividing by it changes nothing.
         top_p: float32 [R] (1 = off), or None.
         top_k: int64 [R] (0 = off), or None.
         max_top_k: The largest `top_k`, so top-k alone needs a `topk`, not a full sort.
@@ -67,6 +68,7 @@ class SamplingMetadata:
     temperature: torch.Tensor
     all_greedy: bool
     all_random: bool
+    unit_temperature: bool = False
     top_p: torch.Tensor | None = None
     top_k: torch.Tensor | None = None
     max_top_k: int = 0
@@ -85,6 +87,14 @@ class SamplingMetadata:
     @property
     def no_penalties(self) -> bool:
         return self.repetition_penalties is None
+
+    @property
+    def edits_logits(self) -> bool:
+        """Whether a sampler stage writes into the logits in place (masks, biases, penalties, the
+        temperature division); when none does, the sampler needs no private copy of them."""
+        in_place = (self.allowed_token_ids_mask, self.min_tokens_stop, self.logit_bias, self.repetition_penalties)
+        divides = not self.all_greedy and not (self.all_random and self.unit_temperature)
+        return divides or any(stage is not None for stage in in_place)
 
     @property
     def no_top_p(self) -> bool:
@@ -154,6 +164,7 @@ class SamplingMetadata:
             temperature=as_tensor(temperature),
             all_greedy=bool(greedy.all()),
             all_random=not bool(greedy.any()),
+            unit_temperature=bool((temperature == 1.0).all()),
             generators=generators,
             max_num_logprobs=max_num_logprobs,
         )
