@@ -90,6 +90,18 @@ def _machine_lines(report: dict) -> list[str]:
     ]
 
 
+def _round_lines(report: dict, engines: list[str], workloads: list[str]) -> list[str]:
+    """With ``--rounds``: each engine's main figure in every round, in run order."""
+    lines = []
+    for engine in engines:
+        figures = report["engines"].get(engine, {})
+        runs = [f"{w} {' / '.join(f'{v:.2f}' for v in figures[w]['rounds'])}"
+                for w in workloads if isinstance(figures.get(w), dict) and "rounds" in figures[w]]
+        if runs:
+            lines.append(f"{engine}, every round (the table shows the median): " + "; ".join(runs))
+    return ["", *lines] if lines else []
+
+
 def format_report(report: dict, engines: list[str], workloads: list[str]) -> str:
     peers = [e for e in engines if e != "ferrollm"]
     header = ["workload", "figure", "bound", *engines]
@@ -117,6 +129,7 @@ def format_report(report: dict, engines: list[str], workloads: list[str]) -> str
         lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
         if i == 0:
             lines.append("  ".join("-" * w for w in widths))
+    lines += _round_lines(report, engines, workloads)
     errors = [f"{e}: {f['error']}" for e, f in report["engines"].items() if "error" in f]
     if errors:
         lines += ["", *errors]

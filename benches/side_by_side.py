@@ -9,6 +9,11 @@ gets the very same requests, lengths included):
 - ``startup``: engine constructor to the first token of a one-token request, with the
   checkpoint's files read once just before, so each engine finds them in the page cache.
 
+``--rounds N`` runs the engines N times, alternating (ferrollm, vLLM, ferrollm, vLLM, ...), and
+reports, per engine and workload, the round whose main figure is the median (the lower middle one
+for an even N), with every round's figure beside it. On a VM whose speed drifts by 10-20% over
+minutes, one round per engine leaves each ratio to whichever minutes each engine ran in.
+
 ``--dtype`` picks the dtype every engine runs in (default float32). For bfloat16, ferrollm, HF
 and vLLM load the checkpoint in bf16, and llama.cpp reads a BF16 GGUF that llama.cpp's own
 quantizer makes once from the f32 one (benches/peers/gguf_bf16.py, cached in the bench folder);
@@ -84,6 +89,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--num-iters", type=int, default=3, help="timed runs of the latency workload")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="runs of every engine, alternating; each figure is the median round's")
     p.add_argument("--hf-batch-size", type=int, default=32)
     p.add_argument("--vllm-enforce-eager", action="store_true")
     p.add_argument("--ferrollm", default=str(Path(sys.executable).parent / "ferrollm"),
@@ -253,6 +260,46 @@ def measure_roofline(args, sizing: Path, llamacpp_gguf: Path | None) -> dict:
     return roof
 
 
+def run_engine(args, engine: str, model: Path | None, workloads: list[str], requests_dir: Path) -> dict:
+    """One engine's figures for every workload, or ``{"error": ...}``."""
+    if model is None:
+        return {"error": f"{engine} cannot load the {args.model} checkpoint"}
+    print(f"{engine} ...", file=sys.stderr, flush=True)
+    if "startup" in workloads:
+        warm_page_cache(model)
+    start = time.perf_counter()
+    try:
+        if engine == "ferrollm":
+            figures = run_ferrollm(args, model, workloads, requests_dir)
+        else:
+            figures = run_peer(args, engine, model, workloads, requests_dir)
+    except (RuntimeError, OSError, ValueError) as e:
+        figures = {"error": str(e)}
+    figures["wall_time"] = time.perf_counter() - start
+    return figures
+
+
+# The figure that picks the median round of each workload.
+MAIN_FIGURE = {"startup": "startup_time", "mixed": "tokens_per_second", "fixed": "tokens_per_second",
+               "latency": "decode_tokens_per_second"}
+
+
+def median_round(runs: list[dict], workloads: list[str]) -> dict:
+    """Per workload, the figures of the round whose main figure is the median (the lower middle
+    one for an even count), plus ``rounds``: that figure in every round, in run order. A round
+    that failed is left out; an engine that failed every round keeps the first error."""
+    good = [r for r in runs if "error" not in r]
+    if not good:
+        return runs[0]
+    merged: dict = {"wall_time": sum(r["wall_time"] for r in runs), "rounds": len(runs)}
+    for name in workloads:
+        key = MAIN_FIGURE[name]
+        ranked = sorted((r for r in good if name in r), key=lambda r: r[name][key])
+        if ranked:
+            merged[name] = {**ranked[(len(ranked) - 1) // 2][name], "rounds": [r[name][key] for r in good if name in r]}
+    return merged
+
+
 def main() -> None:
     args = parse_args()
     args.specs = SMOKE_SPECS if args.smoke else SPECS
@@ -282,26 +329,14 @@ def main() -> None:
         print("roofline ...", file=sys.stderr, flush=True)
         gguf = paths["llamacpp"] if "llamacpp" in engines else None
         report["roofline"] = measure_roofline(args, paths["sizing"], gguf)
-    for engine in engines:
-        model = paths[engine]
-        if engine in report["engines"]:  # failed before it could run
-            continue
-        if model is None:
-            report["engines"][engine] = {"error": f"{engine} cannot load the {args.model} checkpoint"}
-            continue
-        print(f"{engine} ...", file=sys.stderr, flush=True)
-        if "startup" in workloads:
-            warm_page_cache(model)
-        start = time.perf_counter()
-        try:
-            if engine == "ferrollm":
-                figures = run_ferrollm(args, model, workloads, requests_dir)
-            else:
-                figures = run_peer(args, engine, model, workloads, requests_dir)
-        except (RuntimeError, OSError, ValueError) as e:
-            figures = {"error": str(e)}
-        figures["wall_time"] = time.perf_counter() - start
-        report["engines"][engine] = figures
+    rounds: dict[str, list[dict]] = {e: [] for e in engines if e not in report["engines"]}
+    for i in range(args.rounds):
+        for engine in rounds:
+            if args.rounds > 1:
+                print(f"round {i + 1} of {args.rounds}:", end=" ", file=sys.stderr, flush=True)
+            rounds[engine].append(run_engine(args, engine, paths[engine], workloads, requests_dir))
+    for engine, runs in rounds.items():
+        report["engines"][engine] = runs[0] if len(runs) == 1 else median_round(runs, workloads)
     suffix = "" if args.dtype == "float32" else f"-{args.dtype}"  # float32 files keep their old names
     stamp = time.strftime("%Y%m%d-%H%M%S")
     out = args.out or args.bench_dir / "results" / f"side_by_side-{args.model}{suffix}-{stamp}.json"
