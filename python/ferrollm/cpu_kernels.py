@@ -158,13 +158,7 @@ def gemm_pack(weight: torch.Tensor, parts: int = 1) -> torch.Tensor:
 def gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
     """``x @ weight.T + bias`` for fp32 ``x``: ``[rows, in]``, ``packed`` from
     :func:`gemm_pack` of ``weight``, on torch's threads."""
-    x = x.contiguous()
-    rows, in_features = x.shape
-    out = x.new_empty((rows, out_features))
-    bias = None if bias is None else bias.contiguous()
-    _core.cpu_gemm(_buf(x), _buf(packed), None if bias is None else _buf(bias), _buf(out),
-                   rows, out_features, in_features, _threads())
-    return out
+    return _packed_product(_core.cpu_gemm, x, packed, bias, out_features)
 
 
 def gemm_silu_mul(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, width: int) -> torch.Tensor:
@@ -172,12 +166,18 @@ def gemm_silu_mul(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     ``[rows, in]`` and ``packed`` from ``gemm_pack(weight, parts=2)`` of a ``[2 * width, in]``
     weight; the ``[rows, 2 * width]`` product is never materialized. Equal, bit for bit, to
     :func:`gemm` then :func:`silu_and_mul`."""
+    return _packed_product(_core.cpu_gemm_silu_mul, x, packed, bias, width)
+
+
+def _packed_product(kernel, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+                    width: int) -> torch.Tensor:
+    """Runs a kernel of :func:`gemm`'s signature into a fresh ``[rows, width]`` output."""
     x = x.contiguous()
     rows, in_features = x.shape
     out = x.new_empty((rows, width))
     bias = None if bias is None else bias.contiguous()
-    _core.cpu_gemm_silu_mul(_buf(x), _buf(packed), None if bias is None else _buf(bias), _buf(out),
-                            rows, width, in_features, _threads())
+    kernel(_buf(x), _buf(packed), None if bias is None else _buf(bias), _buf(out), rows, width, in_features,
+           _threads())
     return out
 
 

@@ -13,7 +13,7 @@ use ferrollm_kernels::gemv::{gemv, GemvShape};
 use ferrollm_kernels::norm::{fused_add_rms_norm, rms_norm, RmsNormWeight};
 use ferrollm_kernels::prefill::{self, paged_prefill, PrefillInputs, PrefillOptions, PrefillShape};
 use ferrollm_kernels::rotary::{rotate_neox, RotaryShape};
-use ferrollm_kernels::{activation, openmp, Bf16};
+use ferrollm_kernels::{activation, openmp, Bf16, KernelError};
 use pyo3::prelude::*;
 
 use crate::errors::{kernel_error, raise};
@@ -133,11 +133,7 @@ pub fn cpu_gemm(
     in_features: usize,
     threads: usize,
 ) -> PyResult<()> {
-    let shape = GemmShape { rows, out_features, in_features };
-    // SAFETY: see the module doc; `out` is a fresh tensor.
-    let (x, packed, bias, out) =
-        unsafe { (view::<f32>(x), view::<f32>(packed), bias.map(|b| view::<f32>(b)), view_mut::<f32>(out)) };
-    py.detach(|| gemm(x, packed, bias, out, shape, threads)).map_err(kernel_error)
+    packed_product(py, gemm, [x, packed], bias, out, GemmShape { rows, out_features, in_features }, threads)
 }
 
 /// `out[rows, width] = silu(x · w_gateᵀ + b_gate) · (x · w_upᵀ + b_up)` in fp32, `packed` holding
@@ -157,10 +153,27 @@ pub fn cpu_gemm_silu_mul(
     threads: usize,
 ) -> PyResult<()> {
     let shape = GemmShape { rows, out_features: width, in_features };
+    packed_product(py, gemm_silu_mul, [x, packed], bias, out, shape, threads)
+}
+
+/// The signature [`gemm`] and [`gemm_silu_mul`] share.
+type PackedKernel =
+    fn(&[f32], &[f32], Option<&[f32]>, &mut [f32], GemmShape, usize) -> Result<(), KernelError>;
+
+/// Runs `kernel` on `x` and `packed` off the GIL.
+fn packed_product(
+    py: Python<'_>,
+    kernel: PackedKernel,
+    [x, packed]: [Buffer; 2],
+    bias: Option<Buffer>,
+    out: Buffer,
+    shape: GemmShape,
+    threads: usize,
+) -> PyResult<()> {
     // SAFETY: see the module doc; `out` is a fresh tensor.
     let (x, packed, bias, out) =
         unsafe { (view::<f32>(x), view::<f32>(packed), bias.map(|b| view::<f32>(b)), view_mut::<f32>(out)) };
-    py.detach(|| gemm_silu_mul(x, packed, bias, out, shape, threads)).map_err(kernel_error)
+    py.detach(|| kernel(x, packed, bias, out, shape, threads)).map_err(kernel_error)
 }
 
 /// `out[row, head] = attention(query[row, head], row's first seq_lens[row] cached tokens)`.

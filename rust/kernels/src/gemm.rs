@@ -150,26 +150,10 @@ pub fn gemm(
     shape: GemmShape,
     threads: usize,
 ) -> Result<(), KernelError> {
-    let GemmShape { rows, out_features, in_features } = shape;
-    let panels = Panels::new(out_features, in_features);
-    check_len("x", x.len(), rows * in_features)?;
-    check_len("packed", packed.len(), panels.len())?;
-    check_len("out", out.len(), rows * out_features)?;
-    if let Some(bias) = bias {
-        check_len("bias", bias.len(), out_features)?;
-    }
-    if rows == 0 || out_features == 0 {
-        return Ok(());
-    }
-    let job = Job { x, packed, bias, panels, rows };
-    let dst = openmp::SharedMut(out.as_mut_ptr());
-    let vectors = panels.padded / LANES;
-    openmp::parallel(threads.min(vectors), |thread, team| {
-        let share = openmp::share(vectors, thread, team);
-        let cols = share.start * LANES..(share.end * LANES).min(out_features);
-        // SAFETY: each thread writes only the columns `cols` of `out`, whose length was checked.
-        unsafe { job.run(cols, &dst) };
-    });
+    let panels = check_buffers(x, packed, bias, out.len(), shape, 1)?;
+    let job = Job { x, packed, bias, panels, rows: shape.rows };
+    // SAFETY: each thread writes only its columns `cols` of `out`, whose length was checked.
+    for_each_column_share(panels, out, threads, |cols, out| unsafe { job.run(cols, out) });
     Ok(())
 }
 
@@ -187,33 +171,57 @@ pub fn gemm_silu_mul(
     shape: GemmShape,
     threads: usize,
 ) -> Result<(), KernelError> {
-    let GemmShape { rows, out_features: width, in_features } = shape;
-    let panels = Panels::new(width, in_features);
-    check_len("x", x.len(), rows * in_features)?;
-    check_len("packed", packed.len(), 2 * panels.len())?;
-    check_len("out", out.len(), rows * width)?;
-    if let Some(bias) = bias {
-        check_len("bias", bias.len(), 2 * width)?;
-    }
-    if rows == 0 || width == 0 {
-        return Ok(());
-    }
+    let panels = check_buffers(x, packed, bias, out.len(), shape, 2)?;
     let (gate_w, up_w) = packed.split_at(panels.len());
-    let (gate_b, up_b) = match bias.map(|b| b.split_at(width)) {
+    let (gate_b, up_b) = match bias.map(|b| b.split_at(shape.out_features)) {
         Some((g, u)) => (Some(g), Some(u)),
         None => (None, None),
     };
-    let gate = Job { x, packed: gate_w, bias: gate_b, panels, rows };
+    let gate = Job { x, packed: gate_w, bias: gate_b, panels, rows: shape.rows };
     let up = Job { packed: up_w, bias: up_b, ..gate };
+    // SAFETY: each thread writes only its columns `cols` of `out`, whose length was checked.
+    for_each_column_share(panels, out, threads, |cols, out| unsafe { run_gated(&gate, &up, cols, out) });
+    Ok(())
+}
+
+/// Checks one call's buffers against `shape`, for `parts` weights of `shape`'s size packed one
+/// after another (and as many biases); returns the panels of one weight.
+fn check_buffers(
+    x: &[f32],
+    packed: &[f32],
+    bias: Option<&[f32]>,
+    out_len: usize,
+    shape: GemmShape,
+    parts: usize,
+) -> Result<Panels, KernelError> {
+    let GemmShape { rows, out_features, in_features } = shape;
+    let panels = Panels::new(out_features, in_features);
+    check_len("x", x.len(), rows * in_features)?;
+    check_len("packed", packed.len(), parts * panels.len())?;
+    check_len("out", out_len, rows * out_features)?;
+    if let Some(bias) = bias {
+        check_len("bias", bias.len(), parts * out_features)?;
+    }
+    Ok(panels)
+}
+
+/// Runs `run(cols, out)` on the OpenMP team, each thread with a contiguous range of 16-column
+/// vectors of `out`'s `panels.out_features` columns; nothing when `out` is empty.
+fn for_each_column_share(
+    panels: Panels,
+    out: &mut [f32],
+    threads: usize,
+    run: impl Fn(Range<usize>, *mut f32) + Sync,
+) {
+    if out.is_empty() {
+        return;
+    }
     let dst = openmp::SharedMut(out.as_mut_ptr());
     let vectors = panels.padded / LANES;
     openmp::parallel(threads.min(vectors), |thread, team| {
         let share = openmp::share(vectors, thread, team);
-        let cols = share.start * LANES..(share.end * LANES).min(width);
-        // SAFETY: each thread writes only the columns `cols` of `out`, whose length was checked.
-        unsafe { run_gated(&gate, &up, cols, dst.get()) };
+        run(share.start * LANES..(share.end * LANES).min(panels.out_features), dst.get());
     });
-    Ok(())
 }
 
 /// # Safety
@@ -259,15 +267,15 @@ impl Job<'_> {
     /// # Safety
     /// `out` must address `rows * out_features` elements, of which no other thread writes the
     /// columns in `cols`.
-    unsafe fn run(&self, cols: Range<usize>, out: &openmp::SharedMut<f32>) {
+    unsafe fn run(&self, cols: Range<usize>, out: *mut f32) {
         if cols.is_empty() {
             return;
         }
         #[cfg(target_arch = "x86_64")]
         if avx512::available() && self.panels.in_features > 0 {
-            return avx512::run(self, cols, out.get());
+            return avx512::run(self, cols, out);
         }
-        self.run_portable(cols, out.get());
+        self.run_portable(cols, out);
     }
 
     /// The reference loop, for CPUs without AVX-512 (and the tests' yardstick).
