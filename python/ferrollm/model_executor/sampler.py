@@ -92,7 +92,7 @@ class Sampler:
         temperature = meta.temperature
         if not meta.all_random:
             temperature = torch.where(temperature < SAMPLING_EPS, 1.0, temperature)
-        if not (meta.all_random and meta.unit_temperature):  # x / 1 is x
+        if meta.divides_by_temperature:  # x / 1 is x
             logits.div_(temperature.unsqueeze(1))
         if meta.min_p is not None:
             logits = ops.apply_min_p(logits, meta.min_p)

@@ -89,12 +89,17 @@ class SamplingMetadata:
         return self.repetition_penalties is None
 
     @property
+    def divides_by_temperature(self) -> bool:
+        """Whether the sampler divides the logits by the temperatures: not where every row is
+        greedy (nothing is drawn) or every row samples at exactly 1 (x / 1 is x)."""
+        return not self.all_greedy and not (self.all_random and self.unit_temperature)
+
+    @property
     def edits_logits(self) -> bool:
         """Whether a sampler stage writes into the logits in place (masks, biases, penalties, the
         temperature division); when none does, the sampler needs no private copy of them."""
         in_place = (self.allowed_token_ids_mask, self.min_tokens_stop, self.logit_bias, self.repetition_penalties)
-        divides = not self.all_greedy and not (self.all_random and self.unit_temperature)
-        return divides or any(stage is not None for stage in in_place)
+        return self.divides_by_temperature or any(stage is not None for stage in in_place)
 
     @property
     def no_top_p(self) -> bool:

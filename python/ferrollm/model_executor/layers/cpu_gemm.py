@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from typing import TypeGuard
 
 import torch
 import torch.nn.functional as F
@@ -86,8 +87,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     # One row streams the GEMM's panels about as fast as the GEMV streams the dense weight, or
     # faster (a Qwen2-0.5B-shaped batch-1 step, cold weights, 2 threads, five runs: 25.3-40.9
     # against 26.5-36.8 GB/s); two rows, faster (25.9/35.4/19.0 against 21.5/29.5/18.3).
-    if (packed is not None and packed.own_gemm and x.dim() == 2 and x.shape[0] >= 1
-            and x.dtype == packed.dtype):
+    if _own_gemm_takes(packed, x):
         if packed.gated:
             return torch.cat([cpu_kernels.gemm(x, w, b, n) for w, b, n in _halves(packed)], dim=1)
         return cpu_kernels.gemm(x, packed.weight, packed.bias, packed.out_features)
@@ -111,9 +111,15 @@ def silu_and_mul_linear(x: torch.Tensor, packed: PackedWeight | None) -> torch.T
     9728 floats per row for it, and the separate SiLU-and-mul call costs ~0.1 ms a layer at a
     32-row decode step. Its values are bit for bit those of the two calls.
     """
-    if packed is None or not packed.gated or x.dim() != 2 or x.shape[0] == 0 or x.dtype != packed.dtype:
+    if not _own_gemm_takes(packed, x) or not packed.gated:
         return None
     return cpu_kernels.gemm_silu_mul(x, packed.weight, packed.bias, packed.out_features // 2)
+
+
+def _own_gemm_takes(packed: PackedWeight | None, x: torch.Tensor) -> TypeGuard[PackedWeight]:
+    """Whether ferrollm's GEMM packed the weight and takes `x`: rows of its dtype, at least one."""
+    return (packed is not None and packed.own_gemm and x.dim() == 2 and x.shape[0] >= 1
+            and x.dtype == packed.dtype)
 
 
 def _halves(packed: PackedWeight) -> list[tuple[torch.Tensor, torch.Tensor | None, int]]:
