@@ -307,6 +307,12 @@ mod tests {
         packed
     }
 
+    /// `w` (`[2 * width, k]`) as [`gemm_silu_mul`] takes it: each half packed on its own.
+    fn packed_halves(w: &[f32], width: usize, k: usize) -> Vec<f32> {
+        let (gate, up) = w.split_at(width * k);
+        [packed(gate, width, k), packed(up, width, k)].concat()
+    }
+
     fn assert_close(got: &[f32], want: &[f32], what: &str) {
         for (i, (g, w)) in got.iter().zip(want).enumerate() {
             assert!((g - w).abs() <= 1e-4 * (1.0 + w.abs()), "{what}[{i}]: {g} vs {w}");
@@ -365,8 +371,7 @@ mod tests {
         // One row, a few rows, rows across the 256-row slab; widths around vectors and panels.
         for (rows, width, k) in [(1, 40, 96), (5, 100, 129), (9, 48, 7), (300, 70, 33)] {
             let (x, w, b) = (values(rows * k, 9), values(2 * width * k, 10), values(2 * width, 11));
-            let mut both = packed(&w[..width * k], width, k);
-            both.extend(packed(&w[width * k..], width, k));
+            let both = packed_halves(&w, width, k);
             let merged = packed(&w, 2 * width, k);
             for bias in [None, Some(b.as_slice())] {
                 let mut product = vec![f32::NAN; rows * 2 * width];
@@ -388,8 +393,7 @@ mod tests {
     fn the_portable_gated_loop_agrees_with_the_reference() {
         let (rows, width, k) = (3, 20, 11);
         let (x, w) = (values(rows * k, 12), values(2 * width * k, 13));
-        let mut both = packed(&w[..width * k], width, k);
-        both.extend(packed(&w[width * k..], width, k));
+        let both = packed_halves(&w, width, k);
         let panels = Panels::new(width, k);
         let gate = Job { x: &x, packed: &both[..panels.len()], bias: None, panels, rows };
         let up = Job { packed: &both[panels.len()..], ..gate };
