@@ -5,8 +5,11 @@ from __future__ import annotations
 import json
 import shutil
 
+import pytest
+
 from ferrollm.config.model_source import ModelSource
 from ferrollm.engine.tokenizer_loader import load_tokenizers
+from ferrollm.exceptions import TokenizerError
 
 
 def test_padding_and_truncation_in_tokenizer_json_do_not_reach_the_core(tokenizer_dir, tmp_path):
@@ -35,3 +38,28 @@ def test_padding_and_truncation_in_tokenizer_json_do_not_reach_the_core(tokenize
     finally:
         plain.close()
         padded.close()
+
+
+def test_hf_tokenizer_loads_on_first_use_and_its_errors_name_the_folder(tokenizer_dir, tmp_path):
+    # The core reads tokenizer.json itself; transformers is only needed for chat templates and
+    # `get_tokenizer()`, so a config transformers cannot use fails there, not at start-up.
+    shutil.copy(tokenizer_dir / "tokenizer.json", tmp_path)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"added_tokens_decoder": {"5": 1}}))
+    tokenizers = load_tokenizers(ModelSource(folder=tmp_path), None)
+    try:
+        assert tokenizers.core.encode("hello world")
+        with pytest.raises(TokenizerError, match=f"could not load the tokenizer from {tmp_path}"):
+            _ = tokenizers.hf
+    finally:
+        tokenizers.close()
+
+
+def test_hf_tokenizer_is_loaded_once(tokenizer_dir, tmp_path):
+    shutil.copy(tokenizer_dir / "tokenizer.json", tmp_path)
+    tokenizers = load_tokenizers(ModelSource(folder=tmp_path), None)
+    try:
+        first = tokenizers.hf
+        assert first is tokenizers.hf
+        assert first("hello world")["input_ids"] == tokenizers.core.encode("hello world")
+    finally:
+        tokenizers.close()

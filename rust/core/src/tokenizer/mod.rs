@@ -68,7 +68,14 @@ impl Tokenizer {
     }
 
     /// Wraps an already-built Hugging Face tokenizer. EOS and BOS are unset.
-    pub fn from_hf(hf: tokenizers::Tokenizer) -> Self {
+    ///
+    /// Its padding and truncation settings are dropped: the core encodes every prompt on its
+    /// own, whole, and sentence-transformers exports often pad (and truncate) every encoding to
+    /// a fixed length. transformers ignores both settings unless a call asks for them.
+    pub fn from_hf(mut hf: tokenizers::Tokenizer) -> Self {
+        hf.with_padding(None);
+        // Only a truncation length shorter than the added special tokens is refused.
+        let _ = hf.with_truncation(None);
         let plan = DecodePlan::build(&hf);
         let vocab_size = hf.get_vocab_size(true);
         Tokenizer { hf, plan, eos_token_ids: Vec::new(), bos_token_id: None, vocab_size }
@@ -198,6 +205,21 @@ mod tests {
         for (prompt, ids) in prompts.iter().zip(&batch) {
             assert_eq!(&tok.decode(ids, false).unwrap(), prompt);
         }
+    }
+
+    #[test]
+    fn padding_and_truncation_of_tokenizer_json_are_dropped() {
+        let plain = test_support::byte_level_tokenizer();
+        let mut json: serde_json::Value = serde_json::from_str(&plain.hf().to_string(false).unwrap()).unwrap();
+        json["padding"] = serde_json::json!({"strategy": {"Fixed": 32}, "direction": "Right",
+            "pad_to_multiple_of": null, "pad_id": 0, "pad_type_id": 0, "pad_token": "<unk>"});
+        json["truncation"] = serde_json::json!({"max_length": 4, "strategy": "LongestFirst", "stride": 0,
+            "direction": "Right"});
+        let padded = Tokenizer::from_json_str(&json.to_string()).unwrap();
+        let text = "hello world, the quick brown fox";
+        let ids = test_support::encode(&plain, text, true);
+        assert!(ids.len() > 4 && ids.len() < 32);
+        assert_eq!(test_support::encode(&padded, text, true), ids);
     }
 
     #[test]
