@@ -8,7 +8,7 @@
 //! panel row, so the next first block finds it in cache.
 //!
 //! A slab of one row (a batch-1 decode step) takes [`one_row`] instead: it streams each panel
-//! once, start to end, and leaves the prefetching to the hardware, which follows one stream.
+//! once, start to end, asking for it ahead as non-temporal so the stream does not flush L3.
 //!
 //! [`run_gated`] runs a gate tile and the matching up tile into two scratch tiles, then writes
 //! `silu(gate) * up` from them: the gated MLP's product never leaves L2.
