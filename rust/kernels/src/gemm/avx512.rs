@@ -159,8 +159,9 @@ const ONE_ROW_UNROLL: usize = 4;
 /// A batch-1 step streams every weight once, ~2 GB for a Qwen2-0.5B-shaped model: with plain
 /// loads the lines evicted from L2 fill L3 (a victim cache on AMD), pushing out what the Python
 /// between two kernels runs on. That Python then runs from memory: in a batch-1 step its time
-/// went from ~4 ms with the kernels stubbed out to ~11 ms between real kernels. Lines prefetched
-/// non-temporal skip L3 on eviction. Steps alternating between variants in one process: 64,
+/// went from ~4 ms with the kernels stubbed out to ~11 ms between real kernels (and to ~25 ms
+/// with the kernels stubbed by a 64 MB read each). The non-temporal hint asks the CPU not to
+/// keep the lines once they leave L2. Steps alternating between variants in one process: 64,
 /// 128 and 256 rows ahead were 4-7% faster than no prefetch (e.g. 83.3 against 88.1 ms), 32 and
 /// 1024 2-3%, and the same prefetch as T0 5% slower. Batches (`tile_pass`) showed no change
 /// with the hint there, so they keep theirs.
