@@ -210,7 +210,8 @@ mod tests {
     #[test]
     fn padding_and_truncation_of_tokenizer_json_are_dropped() {
         let plain = test_support::byte_level_tokenizer();
-        let mut json: serde_json::Value = serde_json::from_str(&plain.hf().to_string(false).unwrap()).unwrap();
+        let mut json: serde_json::Value =
+            serde_json::from_str(&plain.hf().to_string(false).unwrap()).unwrap();
         json["padding"] = serde_json::json!({"strategy": {"Fixed": 32}, "direction": "Right",
             "pad_to_multiple_of": null, "pad_id": 0, "pad_type_id": 0, "pad_token": "<unk>"});
         json["truncation"] = serde_json::json!({"max_length": 4, "strategy": "LongestFirst", "stride": 0,
