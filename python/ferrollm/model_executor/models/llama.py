@@ -94,7 +94,7 @@ class LlamaMLP(nn.Module):
         return self._mlp(x)
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
-        gated = self.gate_up_proj.silu_and_mul(x) if self.gate_up_proj.gated else None
+        gated = self.gate_up_proj.silu_and_mul(x)
         if gated is None:
             gated = self.act_fn(self.gate_up_proj(x))
         return self.down_proj(gated)
