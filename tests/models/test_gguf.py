@@ -10,7 +10,8 @@ import torch
 from helpers.engine_driver import hf_greedy, run_engine
 
 from ferrollm.exceptions import CheckpointError
-from ferrollm.model_executor.loader import _unpermute_qk, get_model, gguf_to_hf_name, load_gguf
+from ferrollm.model_executor.gguf_loader import _unpermute_qk, gguf_to_hf_name, load_gguf
+from ferrollm.model_executor.loader import get_model
 
 torch.set_num_threads(2)
 
