@@ -1,10 +1,18 @@
 """What every peer runner shares: the command line, the request files side_by_side.py writes, the
-timing of each workload and the one JSON line a runner prints. Standard library only, so it
-imports in any peer's virtual environment.
+timing of each workload, the peak resident memory beside it and the one JSON line a runner
+prints. Standard library only, so it imports in any peer's virtual environment.
 
 A runner supplies an engine: ``make()`` builds it (the constructor whose time start-up counts) and
 ``generate(requests)`` runs a list of requests to completion, ignoring EOS, and returns how many
 tokens each produced.
+
+Peak RSS (``peak_rss_mib``) is the kernel's high-water mark of resident memory (``VmHWM``, what
+``ru_maxrss`` reports) of this process plus its live child processes (vLLM's engine core runs in
+one), in MiB. Each workload's figure is the peak of the engine's start-up or of that workload,
+whichever is higher: the mark is reset before each workload (``/proc/self/clear_refs``), so a
+workload is not charged for an earlier, bigger one, and the figure is the one a process that
+started the engine and ran this workload alone would show (``ferrollm bench`` runs each workload
+in its own process). The top-level ``peak_rss_mib`` is the process's peak over the whole run.
 
 Request file (``<requests-dir>/<workload>.json``)::
 
@@ -16,6 +24,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import resource
 import sys
 import time
 from dataclasses import dataclass
@@ -42,7 +52,57 @@ def parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--temperature", type=float, default=1.0,
+                   help="0 for greedy decoding (llama.cpp's runner always takes the argmax)")
     return p
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every live process below ``pid``, found through each process's parent in ``/proc``
+    (``/proc/<pid>/task/*/children`` is not in every kernel)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # after "pid (comm)": state, ppid
+        except (OSError, IndexError):  # a process that has just exited
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        found += kids
+        todo += kids
+    return found
+
+
+def _hwm_kib(pid: int) -> int | None:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+def peak_rss_mib() -> float:
+    """This process's peak resident memory plus that of its live child processes, in MiB."""
+    own = _hwm_kib(os.getpid())
+    if own is None:  # no /proc: ru_maxrss is KiB on Linux (bytes on macOS, which has no /proc)
+        scale = 1 if sys.platform.startswith("linux") else 1 / 1024
+        own = int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale)
+    return (own + sum(_hwm_kib(pid) or 0 for pid in _descendants(os.getpid()))) / 1024
+
+
+def reset_peak_rss() -> bool:
+    """Lowers the peak-RSS mark of this process and its children to their present RSS (Linux 4.0+);
+    False where the kernel does not allow it, and the marks then keep the earlier peaks."""
+    try:
+        for pid in [os.getpid(), *_descendants(os.getpid())]:
+            Path(f"/proc/{pid}/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
 
 
 def load_workload(requests_dir: Path, name: str) -> dict:
@@ -100,13 +160,23 @@ def run(engine_name: str, make: Callable[[], Engine], args: argparse.Namespace, 
     produced = engine.generate([Request([100], 1)])
     first_token = time.perf_counter()
     _check_counts("startup", [Request([100], 1)], produced)
+    startup_peak = peak_rss_mib()
     result: dict = {"engine": engine_name, **(extra or {}),
-                    "startup": {"startup_time": first_token - start, "constructor_time": constructed - start}}
+                    "startup": {"startup_time": first_token - start, "constructor_time": constructed - start,
+                                "peak_rss_mib": startup_peak}}
+    process_peak = startup_peak
     for name in names:
         w = load_workload(args.requests_dir, name)
         print(f"[{engine_name}] {name}: {len(w['requests'])} requests", file=sys.stderr, flush=True)
+        reset = reset_peak_rss()
         if w["kind"] == "latency":
             result[name] = run_latency(engine, name, w["requests"], w.get("num_iters", 3), w.get("num_iters_warmup", 1))
         else:
             result[name] = run_throughput(engine, name, w["requests"])
+        peak = peak_rss_mib()
+        process_peak = max(process_peak, peak)
+        result[name]["peak_rss_mib"] = max(startup_peak, peak)
+        if not reset:
+            result[name]["peak_rss_includes_earlier_workloads"] = True
+    result["peak_rss_mib"] = process_peak
     print(json.dumps(result), flush=True)

@@ -31,6 +31,7 @@ class HfEngine:
         folder = path.parent if path.suffix == ".gguf" else path
         self.model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, args.dtype), **kwargs).eval()
         self.batch_size = args.batch_size
+        self.temperature = args.temperature
         self.pad_id = 0
         torch.manual_seed(args.seed)
 
@@ -46,8 +47,9 @@ class HfEngine:
             ids[i, width - n:] = torch.tensor(r.prompt_token_ids)
             mask[i, width - n:] = 1
         max_new = max(r.output_len for r in requests)
-        config = GenerationConfig(max_new_tokens=max_new, do_sample=True, temperature=1.0, top_p=1.0,
-                                  top_k=None, eos_token_id=[], pad_token_id=self.pad_id)
+        sampling = {"do_sample": True, "temperature": self.temperature} if self.temperature > 0 else {"do_sample": False}
+        config = GenerationConfig(max_new_tokens=max_new, top_p=1.0, top_k=None, eos_token_id=[],
+                                  pad_token_id=self.pad_id, **sampling)
         with torch.inference_mode():
             out = self.model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
         generated = out.shape[1] - width

@@ -23,12 +23,13 @@ class VllmEngine:
         self.llm = LLM(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
                        block_size=args.block_size, seed=args.seed, enforce_eager=args.enforce_eager,
                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+        self.temperature = args.temperature
 
     def generate(self, requests: list[Request]) -> list[int]:
         from vllm import SamplingParams
 
         prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
-        params = [SamplingParams(temperature=1.0, top_p=1.0, ignore_eos=True, max_tokens=r.output_len)
+        params = [SamplingParams(temperature=self.temperature, top_p=1.0, ignore_eos=True, max_tokens=r.output_len)
                   for r in requests]
         outs = self.llm.generate(prompts, params, use_tqdm=False)
         return [len(o.outputs[0].token_ids) for o in outs]

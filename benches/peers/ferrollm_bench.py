@@ -1,0 +1,48 @@
+"""ferrollm through the peers' own runner (common.py): offline ``LLM.generate`` with ``ignore_eos``.
+
+side_by_side.py measures ferrollm through ``ferrollm bench``, as a user would; this runner is for
+figures that must come from the very same code for every engine, such as memory.py's start-up
+and peak RSS of one process that builds the engine, answers a one-token request and then runs a
+workload. Run with the project's interpreter; prints one JSON line (see common.py).
+
+    .venv/bin/python benches/peers/ferrollm_bench.py --model .bench/qwen2-0.5b \
+        --requests-dir .bench/requests/qwen2-seed0 --workloads startup,memory --temperature 0
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import Request, parser, run  # noqa: E402
+
+
+class FerrollmEngine:
+    def __init__(self, args):
+        from ferrollm import LLM
+
+        self.llm = LLM(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len, seed=args.seed)
+        self.temperature = args.temperature
+
+    def generate(self, requests: list[Request]) -> list[int]:
+        from ferrollm import SamplingParams
+
+        prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
+        params = [SamplingParams(temperature=self.temperature, top_p=1.0, ignore_eos=True, max_tokens=r.output_len)
+                  for r in requests]
+        outs = self.llm.generate(prompts, params, use_tqdm=False)
+        return [len(o.outputs[0].token_ids) for o in outs]
+
+
+def main() -> None:
+    p = parser(__doc__)
+    p.add_argument("--dtype", default="auto", help="ferrollm's `dtype` (auto: fp32 on the CPU)")
+    args = p.parse_args()
+    import ferrollm
+
+    run("ferrollm", lambda: FerrollmEngine(args), args, {"version": ferrollm.__version__, "dtype": args.dtype})
+
+
+if __name__ == "__main__":
+    main()
