@@ -1,23 +1,28 @@
 """Formats side_by_side.py's figures as a table: each engine's figure with the fraction of the
 roofline it reaches, then ferrollm's figure divided by each peer's. The bounds are those of the
-run's dtype (a report without one is float32); llama.cpp's are those of the GGUF it read."""
+run's dtype (a report without one is float32); llama.cpp's are those of the GGUF it read. Under
+each workload, the peak RSS of the process that ran it; reports from before that figure leave its
+rows out."""
 
 from __future__ import annotations
 
 from roofline import DTYPES
 
 # (workload, key in the engine's figures, label, roofline bound or None, higher is better)
+PEAK_RSS = ("peak_rss_mib", "peak RSS (MiB)", None, False)
 ROWS = [
     ("startup", "startup_time", "start-up to 1st token (s)", None, False),
+    ("startup", *PEAK_RSS),
     ("mixed", "output_tokens_per_second", "output tok/s", None, True),
     ("mixed", "tokens_per_second", "total tok/s", "batched_tokens_per_s", True),
+    ("mixed", *PEAK_RSS),
     ("fixed", "output_tokens_per_second", "output tok/s", None, True),
     ("fixed", "tokens_per_second", "total tok/s", "batched_tokens_per_s", True),
+    ("fixed", *PEAK_RSS),
     ("latency", "decode_tokens_per_second", "decode tok/s (batch 1)", "batch1_tokens_per_s", True),
     ("latency", "avg_latency", "latency (s)", None, False),
+    ("latency", *PEAK_RSS),
 ]
-
-
 
 
 def _dtype(report: dict) -> str:
@@ -48,7 +53,12 @@ def _cell(report: dict, engine: str, workload: str, key: str, bound_key: str | N
     if value is None:
         return "-"
     bound = _bound(report, engine, bound_key)
-    return f"{value:.2f}" + (f" ({value / bound:.0%})" if bound else "")
+    text = f"{value:.0f}" if key == "peak_rss_mib" else f"{value:.2f}"
+    return text + (f" ({value / bound:.0%})" if bound else "")
+
+
+def _measured(report: dict, engines: list[str], workload: str, key: str) -> bool:
+    return any(key in report["engines"].get(e, {}).get(workload, {}) for e in engines)
 
 
 def _ratio(report: dict, peer: str, workload: str, key: str) -> str:
@@ -109,7 +119,7 @@ def format_report(report: dict, engines: list[str], workloads: list[str]) -> str
         header += [f"ferrollm/{p}" for p in peers]
     rows = [header]
     for workload, key, label, bound_key, higher in ROWS:
-        if workload not in workloads:
+        if workload not in workloads or (key == "peak_rss_mib" and not _measured(report, engines, workload, key)):
             continue
         bound = _bound(report, "ferrollm", bound_key)
         row = [workload, label + ("" if higher else " ↓"), f"{bound:.1f}" if bound else ""]

@@ -21,7 +21,9 @@ with ``--model smollm2`` llama.cpp keeps the stored Q4_1 GGUF, which bf16 would 
 
 Throughput counts only the tokens each request asked for. Beside each figure: the machine's
 roofline (benches/roofline.py) and the fraction of it reached; the last columns are ferrollm's
-figure divided by each peer's.
+figure divided by each peer's. Under each workload, the peak RSS (``peak_rss_mib``) of the engine's
+process that ran it, measured in that process: start-up included, each workload counted as if it
+ran alone (see benches/peers/common.py).
 
 Run from the repository root with the project's interpreter, after ``bash benches/peers/setup.sh``:
 
@@ -164,7 +166,7 @@ def warm_page_cache(model: Path) -> None:
 def _log_path(args, engine: str) -> Path:
     folder = args.bench_dir / "logs"
     folder.mkdir(parents=True, exist_ok=True)
-    return folder / f"side_by_side-{args.model}-{engine}.log"
+    return folder / f"{getattr(args, 'log_prefix', 'side_by_side')}-{args.model}-{engine}.log"
 
 
 def _run(cmd: list[str], log: Path, env: dict | None = None) -> str:
@@ -201,7 +203,7 @@ def run_ferrollm(args, model: Path, workloads: list[str], requests_dir: Path) ->
         figures = json.loads(out.read_text())
         if name == "startup":
             figures = {"startup_time": figures["startup_time"] + figures["latencies"][0],
-                       "constructor_time": figures["startup_time"]}
+                       "constructor_time": figures["startup_time"], "peak_rss_mib": figures["peak_rss_mib"]}
         elif w.kind == "throughput":
             _check_same_requests(name, figures, requests_dir)
             figures["num_output_tokens"] = figures["total_num_tokens"] - _prompt_tokens(requests_dir, name)
@@ -222,12 +224,18 @@ def _check_same_requests(name: str, figures: dict, requests_dir: Path) -> None:
                            f"have {total}: its workload generator no longer matches side_by_side's")
 
 
-def run_peer(args, engine: str, model: Path, workloads: list[str], requests_dir: Path) -> dict:
+def run_peer(args, engine: str, model: Path, workloads: list[str], requests_dir: Path,
+             extra: tuple[str, ...] = ()) -> dict:
+    """Runs ``engine``'s driver in benches/peers/ (ferrollm's too, for figures every engine must get
+    from the same runner) and returns its JSON; ``extra`` goes on its command line."""
     peers = Path(__file__).resolve().parent / "peers"
     common = ["--model", str(model), "--requests-dir", str(requests_dir), "--workloads", ",".join(workloads),
               "--threads", str(args.threads), "--max-model-len", str(args.max_model_len), "--seed", str(args.seed)]
     env: dict = {}
-    if engine == "hf":
+    if engine == "ferrollm":
+        cmd = [sys.executable, str(peers / "ferrollm_bench.py"), *common]
+        env["OMP_NUM_THREADS"] = str(args.threads)
+    elif engine == "hf":
         cmd = [args.hf_python, str(peers / "hf_bench.py"), *common, "--batch-size", str(args.hf_batch_size),
                "--dtype", args.dtype]
         env["OMP_NUM_THREADS"] = str(args.threads)
@@ -237,7 +245,7 @@ def run_peer(args, engine: str, model: Path, workloads: list[str], requests_dir:
         cmd += ["--enforce-eager"] if args.vllm_enforce_eager else []
     else:
         cmd = [str(args.bench_dir / "venv-llamacpp" / "bin" / "python"), str(peers / "llamacpp_bench.py"), *common]
-    lines = [line for line in _run(cmd, _log_path(args, engine), env).splitlines() if line.startswith("{")]
+    lines = [line for line in _run([*cmd, *extra], _log_path(args, engine), env).splitlines() if line.startswith("{")]
     return json.loads(lines[-1])
 
 
