@@ -1,10 +1,13 @@
 """The two benchmarks. Each prints the lines vLLM's `bench throughput` / `bench latency` print,
-plus the engine's start-up time, and can write the figures as JSON."""
+plus the engine's start-up time and the process's peak resident memory, and can write the
+figures as JSON."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import resource
+import sys
 import time
 
 import numpy as np
@@ -24,6 +27,21 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=False)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output-json", default=None)
+
+
+def peak_rss_mib() -> float:
+    """The process's peak resident memory in MiB: the kernel's high-water mark (``VmHWM``, what
+    ``ru_maxrss`` reports), start-up included. The engine runs in this process (the bench takes
+    no tensor-parallel option), so nothing outside it is left out."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    return maxrss / (1024 if sys.platform.startswith("linux") else 1024 * 1024)
 
 
 def _make_llm(args):
@@ -60,13 +78,14 @@ def run_throughput(args) -> dict:
     result = {
         "elapsed_time": elapsed, "num_requests": len(reqs), "total_num_tokens": num_in + num_out,
         "requests_per_second": len(reqs) / elapsed, "tokens_per_second": (num_in + num_out) / elapsed,
-        "output_tokens_per_second": num_out / elapsed, "startup_time": startup,
+        "output_tokens_per_second": num_out / elapsed, "startup_time": startup, "peak_rss_mib": peak_rss_mib(),
     }
     print(f"Throughput: {result['requests_per_second']:.2f} requests/s, "
           f"{result['tokens_per_second']:.2f} total tokens/s, {result['output_tokens_per_second']:.2f} output tokens/s")
     print(f"Total num prompt tokens:  {num_in}")
     print(f"Total num output tokens:  {num_out}")
     print(f"Start-up time: {startup:.2f} s")
+    print(f"Peak RSS: {result['peak_rss_mib']:.0f} MiB")
     _write(args, result)
     return result
 
@@ -88,11 +107,13 @@ def run_latency(args) -> dict:
     pct = [10, 25, 50, 75, 90, 99]
     result = {"avg_latency": float(latencies.mean()), "latencies": latencies.tolist(), "startup_time": startup,
               "percentiles": {str(p): float(np.percentile(latencies, p)) for p in pct},
-              "decode_tokens_per_second": args.batch_size * args.output_len / float(latencies.mean())}
+              "decode_tokens_per_second": args.batch_size * args.output_len / float(latencies.mean()),
+              "peak_rss_mib": peak_rss_mib()}
     print(f"Avg latency: {result['avg_latency']} seconds")
     for p in pct:
         print(f"{p}% percentile latency: {result['percentiles'][str(p)]} seconds")
     print(f"Start-up time: {startup:.2f} s")
+    print(f"Peak RSS: {result['peak_rss_mib']:.0f} MiB")
     _write(args, result)
     return result
 
