@@ -10,9 +10,10 @@ Peak RSS (``peak_rss_mib``) is the kernel's high-water mark of resident memory (
 ``ru_maxrss`` reports) of this process plus its live child processes (vLLM's engine core runs in
 one), in MiB. Each workload's figure is the peak of the engine's start-up or of that workload,
 whichever is higher: the mark is reset before each workload (``/proc/self/clear_refs``), so a
-workload is not charged for an earlier, bigger one, and the figure is the one a process that
-started the engine and ran this workload alone would show (``ferrollm bench`` runs each workload
-in its own process). The top-level ``peak_rss_mib`` is the process's peak over the whole run.
+workload is not charged for an earlier, bigger one, and the figure is close to the one a process
+that started the engine and ran this workload alone would show (``ferrollm bench`` runs each
+workload in its own process); memory an allocator kept after an earlier workload still counts.
+The top-level ``peak_rss_mib`` is the process's peak over the whole run.
 
 Request file (``<requests-dir>/<workload>.json``)::
 
