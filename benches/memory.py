@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -72,14 +73,17 @@ def measure(args, engine: str, model: Path, requests_dir: Path) -> dict:
     """One engine in a fresh process: start-up, the workload, and the process's peak RSS."""
     print(f"{engine} on {model.name} ...", file=sys.stderr, flush=True)
     warm_page_cache(model)
+    # Other work on the machine shows in the times (not much in the peaks): keep it beside them.
+    load = os.getloadavg()[0]
     extra = ["--temperature", "0"]
     if engine == "llamacpp":
         extra += ["--max-seqs", str(args.specs["memory"].num_prompts)]
     try:
         figures = run_peer(args, engine, model, ["startup", "memory"], requests_dir, tuple(extra))
     except (RuntimeError, OSError, ValueError) as e:
-        return {"error": str(e)}
+        return {"error": str(e), "load_before": load}
     return {"peak_rss_mib": figures["peak_rss_mib"], "startup_time": figures["startup"]["startup_time"],
+            "load_before": load,
             "constructor_time": figures["startup"]["constructor_time"],
             "workload_time": figures["memory"]["elapsed_time"], "driver": figures}
 
@@ -104,6 +108,9 @@ def format_table(report: dict) -> str:
     lines = [f"{w['num_prompts']} prompts x {w['input_len']} tokens -> {w['output_len']} (greedy, EOS ignored), "
              f"{report['threads']} threads, max_model_len {report['max_model_len']}; peak RSS of each engine's "
              f"own process, start-up from before the constructor to the first token",
+             "1-minute load average before each engine (others' work slows the times): "
+             + ", ".join(f"{ENGINE_NAMES[e]} {f['load_before']:.2f}" for m in report["models"].values()
+                         for e, f in m["engines"].items() if "load_before" in f),
              "",
              "| weights | engine | peak RSS (MiB) ↓ | ÷ file | ≤ 1.15 × file + 300 MiB | below the peer | "
              "start-up (s) ↓ | ≤ 2 s | workload (s) |",
