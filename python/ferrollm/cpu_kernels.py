@@ -30,7 +30,8 @@ import torch
 from ferrollm import _core
 from ferrollm.exceptions import KernelError
 
-__all__ = ["GEMV_MAX_ROWS", "fused_add_rms_norm", "gemm", "gemm_pack", "gemm_silu_mul", "gemm_supported", "gemv",
+__all__ = ["GEMV_MAX_ROWS", "fused_add_rms_norm", "gemm", "gemm_pack", "gemm_pack_rows", "gemm_packed_len", "gemm_silu_mul",
+           "gemm_supported", "gemm_unpack", "gemv",
            "gemv_supported", "paged_decode", "paged_decode_supported", "paged_prefill", "paged_prefill_supported",
            "rms_norm", "rotary_neox", "rotary_supported", "silu_and_mul",
            "supports", "write_kv", "write_kv_supported"]
@@ -94,9 +95,11 @@ def gemv_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 def gemm_supported(weight: torch.Tensor) -> bool:
     """Whether :func:`gemm_pack` and :func:`gemm` take this weight: fp32 on the CPU, kernels joined,
-    and a CPU on which the GEMM is vectorized (AVX-512); elsewhere oneDNN is faster."""
+    and a CPU on which the GEMM is vectorized (AVX-512); elsewhere oneDNN is faster.
+    ``FERROLLM_CPU_GEMM=portable`` takes the GEMM's plain loop on any CPU instead: many times
+    slower, it lets tests cover the packed path on CPUs without AVX-512."""
     return (weight.dtype == torch.float32 and weight.dim() == 2 and supports(weight)
-            and _core.cpu_gemm_vectorized())
+            and (_core.cpu_gemm_vectorized() or os.environ.get("FERROLLM_CPU_GEMM") == "portable"))
 
 
 def paged_decode_supported(query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
@@ -137,22 +140,50 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     return out
 
 
+def gemm_packed_len(out_features: int, in_features: int) -> int:
+    """Elements of :func:`gemm`'s packed form of an ``[out_features, in_features]`` weight."""
+    return _core.cpu_gemm_packed_len(out_features, in_features)
+
+
 def gemm_pack(weight: torch.Tensor, parts: int = 1) -> torch.Tensor:
     """``weight`` (``[out, in]``, fp32) in :func:`gemm`'s panel layout: a flat fp32 tensor.
     ``parts=2`` packs each half of the rows on its own, one after the other: the layout
     :func:`gemm_silu_mul` reads a ``[gate, up]`` weight in. Call only where :func:`gemm_supported`
     holds."""
-    weight = weight.detach().contiguous()
     out_features, in_features = weight.shape
     if parts < 1 or out_features % parts:
         raise KernelError(f"`parts` must be >= 1 and divide the {out_features} output features. Given: {parts}")
     rows = out_features // parts
-    size = _core.cpu_gemm_packed_len(rows, in_features)
-    packed = torch.empty(parts * size, dtype=torch.float32)
+    size = gemm_packed_len(rows, in_features)
+    packed = torch.zeros(parts * size, dtype=torch.float32)
     for i in range(parts):
-        part, dst = weight[i * rows:(i + 1) * rows], packed[i * size:(i + 1) * size]
-        _core.cpu_gemm_pack(_buf(part), _buf(dst), rows, in_features, _threads())
+        gemm_pack_rows(weight[i * rows:(i + 1) * rows], packed[i * size:(i + 1) * size], rows, 0)
     return packed
+
+
+def gemm_pack_rows(rows: torch.Tensor, packed: torch.Tensor, out_features: int, first_row: int) -> None:
+    """Packs ``rows`` (fp32 ``[n, in]``, unit stride along ``in``, any row stride: a rank's columns
+    of a row-parallel weight qualify) as rows ``first_row .. first_row + n`` of an
+    ``[out_features, in]`` weight into ``packed`` (:func:`gemm_packed_len` elements, padding
+    already zero), leaving the rest of ``packed`` as it is."""
+    rows = rows.detach()
+    if rows.dim() != 2 or (rows.shape[0] > 1 and rows.stride(1) != 1):
+        rows = rows.contiguous()
+    n, in_features = rows.shape
+    span = (rows.data_ptr(), 0 if n == 0 else (n - 1) * rows.stride(0) + in_features)
+    _core.cpu_gemm_pack(span, _buf(packed), out_features, in_features, first_row, n,
+                        rows.stride(0) if n > 1 else in_features, _threads())
+
+
+def gemm_unpack(packed: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
+    """The plain ``[out_features, in_features]`` weight :func:`gemm_pack` packed into ``packed``."""
+    padded = -(-out_features // 16) * 16
+    full, tail = divmod(padded, 48)
+    split = full * 48 * in_features
+    cols = [packed[:split].view(full, in_features, 48).permute(0, 2, 1).reshape(full * 48, in_features)]
+    if tail:
+        cols.append(packed[split:split + tail * in_features].view(in_features, tail).t())
+    return torch.cat(cols)[:out_features].contiguous()
 
 
 def gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:

@@ -8,7 +8,7 @@
 
 use ferrollm_kernels::attention::{paged_decode, DecodeInputs, DecodeOptions, DecodeShape};
 use ferrollm_kernels::cache::{write_kv, CacheWriteShape};
-use ferrollm_kernels::gemm::{gemm, gemm_silu_mul, pack_weight, packed_len, vectorized, GemmShape};
+use ferrollm_kernels::gemm::{gemm, gemm_silu_mul, pack_weight_rows, packed_len, vectorized, GemmShape, RowBlock};
 use ferrollm_kernels::gemv::{gemv, GemvShape};
 use ferrollm_kernels::norm::{fused_add_rms_norm, rms_norm, RmsNormWeight};
 use ferrollm_kernels::prefill::{self, paged_prefill, PrefillInputs, PrefillOptions, PrefillShape};
@@ -102,19 +102,27 @@ pub fn cpu_gemm_packed_len(out_features: usize, in_features: usize) -> usize {
     packed_len(out_features, in_features)
 }
 
-/// Packs an fp32 `weight[out_features, in_features]` into `packed` for `cpu_gemm`.
+/// Packs rows `first_row..first_row + rows` of an fp32 `[out_features, in_features]` weight,
+/// row `r` of them at element `r * stride` of `weight`, into their columns of `packed` for
+/// `cpu_gemm`; the rest of `packed` is left as it is.
 #[pyfunction]
+#[pyo3(signature = (weight, packed, out_features, in_features, first_row, rows, stride, threads))]
+#[allow(clippy::too_many_arguments)]
 pub fn cpu_gemm_pack(
     py: Python<'_>,
     weight: Buffer,
     packed: Buffer,
     out_features: usize,
     in_features: usize,
+    first_row: usize,
+    rows: usize,
+    stride: usize,
     threads: usize,
 ) -> PyResult<()> {
-    // SAFETY: see the module doc; `packed` is a fresh tensor.
+    // SAFETY: see the module doc; `packed` is the layer's own buffer, written by one call at a time.
     let (weight, packed) = unsafe { (view::<f32>(weight), view_mut::<f32>(packed)) };
-    py.detach(|| pack_weight(weight, packed, out_features, in_features, threads)).map_err(kernel_error)
+    let block = RowBlock { first: first_row, rows, stride };
+    py.detach(|| pack_weight_rows(weight, block, packed, out_features, in_features, threads)).map_err(kernel_error)
 }
 
 /// `out[rows, out_features] = x[rows, in_features] · weightᵀ + bias` in fp32, the weight packed
