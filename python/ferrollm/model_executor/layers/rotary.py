@@ -150,6 +150,18 @@ def rope_parameters(config: Any) -> dict[str, Any]:
     return params
 
 
+# Set on an HF config by the loader: the engine's `max_model_len`, past which no position runs.
+MAX_MODEL_LEN_ATTR = "_ferrollm_max_model_len"
+
+
+def rope_max_position(config) -> int:
+    """Positions the cos/sin table must cover: ``max_position_embeddings``, but no more than the
+    engine's ``max_model_len`` (a 128k-position table of a 256-wide head is 128 MiB in fp32).
+    RoPE scaling still reads the config's own lengths (see :func:`rope_parameters`)."""
+    limit = getattr(config, MAX_MODEL_LEN_ATTR, None)
+    return config.max_position_embeddings if limit is None else min(config.max_position_embeddings, limit)
+
+
 def get_rope(head_size: int, max_position: int, rope_params: dict[str, Any],
              rotary_dim: int | None = None, is_neox_style: bool = True,
              dtype: torch.dtype | None = None) -> RotaryEmbedding:

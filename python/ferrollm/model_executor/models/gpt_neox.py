@@ -26,7 +26,7 @@ from ferrollm.model_executor.layers.linear import (
     divide,
 )
 from ferrollm.model_executor.layers.norm import LayerNorm
-from ferrollm.model_executor.layers.rotary import get_rope, rope_parameters
+from ferrollm.model_executor.layers.rotary import get_rope, rope_max_position, rope_parameters
 from ferrollm.model_executor.layers.vocab import ParallelLMHead, VocabParallelEmbedding
 from ferrollm.model_executor.models.utils import CausalLMInterface, load_weights_into
 
@@ -46,7 +46,7 @@ class GPTNeoXAttention(nn.Module):
         bias = getattr(config, "attention_bias", True)
         self.query_key_value = QKVParallelLinear(hidden, head_dim, num_heads, num_heads, bias, dtype)
         self.dense = RowParallelLinear(hidden, hidden, bias, params_dtype=dtype)
-        self.rotary_emb = get_rope(head_dim, config.max_position_embeddings, rope_parameters(config),
+        self.rotary_emb = get_rope(head_dim, rope_max_position(config), rope_parameters(config),
                                    dtype=dtype)
         self.q_size, self.kv_size = self.query_key_value.q_size, self.query_key_value.kv_size
         self.attn = Attention(self.query_key_value.num_heads, head_dim, head_dim**-0.5)

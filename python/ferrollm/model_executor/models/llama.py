@@ -30,7 +30,7 @@ from ferrollm.model_executor.layers.linear import (
     RowParallelLinear,
 )
 from ferrollm.model_executor.layers.norm import RMSNorm
-from ferrollm.model_executor.layers.rotary import RotaryEmbedding, get_rope, rope_parameters
+from ferrollm.model_executor.layers.rotary import RotaryEmbedding, get_rope, rope_max_position, rope_parameters
 from ferrollm.model_executor.layers.vocab import ParallelLMHead, VocabParallelEmbedding
 from ferrollm.model_executor.models.utils import CausalLMInterface, load_weights_into
 
@@ -237,7 +237,7 @@ class LlamaForCausalLM(CausalLMInterface, nn.Module):
         # 256-wide head is 128 MiB in float32.
         key = repr(sorted(params.items()))
         if key not in ropes:
-            ropes[key] = get_rope(self.head_dim, self.config.max_position_embeddings, params,
+            ropes[key] = get_rope(self.head_dim, rope_max_position(self.config), params,
                                   dtype=self.dtype)
         return ropes[key]
 

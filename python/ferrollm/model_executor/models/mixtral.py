@@ -24,7 +24,7 @@ from ferrollm.model_executor.layers.fused_moe import (
 )
 from ferrollm.model_executor.layers.linear import ReplicatedLinear
 from ferrollm.model_executor.layers.norm import RMSNorm
-from ferrollm.model_executor.layers.rotary import RotaryEmbedding, get_rope, rope_parameters
+from ferrollm.model_executor.layers.rotary import RotaryEmbedding, get_rope, rope_max_position, rope_parameters
 from ferrollm.model_executor.layers.vocab import ParallelLMHead
 from ferrollm.model_executor.models.llama import LayerOptions, LlamaAttention, LlamaForCausalLM, LlamaModel
 from ferrollm.model_executor.models.utils import CausalLMInterface, load_weights_into
@@ -106,7 +106,7 @@ class MixtralForCausalLM(CausalLMInterface, nn.Module):
         self.dtype = dtype
         self.num_layers = config.num_hidden_layers
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        rope = get_rope(self.head_dim, config.max_position_embeddings, rope_parameters(config), dtype=dtype)
+        rope = get_rope(self.head_dim, rope_max_position(config), rope_parameters(config), dtype=dtype)
         self.sliding_windows = [self._sliding_window(config, i) for i in range(self.num_layers)]
         layers = [MoEDecoderLayer(config, dtype, self._mlp(config, dtype, i), self._qkv_bias(config),
                                   self.sliding_windows[i], rope)
