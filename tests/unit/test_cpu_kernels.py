@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from ferrollm import _core, cpu_kernels
 from ferrollm.exceptions import KernelError
-from ferrollm.model_executor.layers.cpu_gemm import linear
+from ferrollm.model_executor.layers.cpu_weights import dense_linear
 
 OPENMP = "parallel backend: OpenMP" in torch.__config__.parallel_info()
 needs_openmp = pytest.mark.skipif(not OPENMP, reason="torch runs on a thread pool other than OpenMP")
@@ -58,7 +58,7 @@ def test_the_decode_linear_takes_the_gemv_for_one_or_two_rows(monkeypatch):
     monkeypatch.setattr(cpu_kernels, "gemv", lambda *a: calls.append(a[0].shape[0]) or real(*a))
     for rows in (1, 2, 3):
         x, weight, bias = _case(torch.float32, rows, 40, 96, True)
-        torch.testing.assert_close(linear(x, weight, bias, None), F.linear(x, weight, bias), rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(dense_linear(x, weight, bias), F.linear(x, weight, bias), rtol=1e-5, atol=1e-4)
     assert calls == [1, 2]
 
 

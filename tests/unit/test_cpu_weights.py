@@ -1,24 +1,35 @@
-"""The CPU matmul path (`cpu_gemm`): packed weights (ferrollm's GEMM panels in fp32 on AVX-512,
-oneDNN's layout otherwise) give F.linear's result in fp32 and bf16."""
+"""The CPU weight forms (`cpu_weights`): each gives F.linear's result from its one copy of the
+weight, built from the row blocks the loaders hand over; the packed form runs on every CPU here
+through the GEMM's portable loop (`FERROLLM_CPU_GEMM=portable`) where there is no AVX-512."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from ferrollm import _core, cpu_kernels
-from ferrollm.exceptions import KernelError
-from ferrollm.model_executor.layers.cpu_gemm import (
-    MLP_SLAB_ROWS,
+from ferrollm.exceptions import CheckpointError, KernelError
+from ferrollm.model_executor.layers.cpu_gemm import MLP_SLAB_ROWS, row_slabs
+from ferrollm.model_executor.layers.cpu_weights import (
+    DenseRows,
+    OneDnnWeight,
     PackedWeight,
-    linear,
-    onednn_enabled,
-    row_slabs,
+    RowBlocks,
+    cpu_weight_form,
 )
 from ferrollm.model_executor.models.llama import LlamaMLP
 
 BF16_ONEDNN = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-OWN_GEMM = cpu_kernels.gemm_supported(torch.empty(1, 1))
-needs_own_gemm = pytest.mark.skipif(not OWN_GEMM, reason="no AVX-512 or no OpenMP team to join")
+KERNELS = cpu_kernels.supports(torch.empty(1))
+needs_kernels = pytest.mark.skipif(not KERNELS, reason="no OpenMP team to join")
+
+
+@pytest.fixture
+def own_gemm(monkeypatch):
+    """ferrollm's GEMM on this CPU: vectorized with AVX-512, else its portable loop."""
+    if not KERNELS:
+        pytest.skip("no OpenMP team to join")
+    if not _core.cpu_gemm_vectorized():
+        monkeypatch.setenv("FERROLLM_CPU_GEMM", "portable")
 
 
 def _case(dtype: torch.dtype, rows: int, with_bias: bool):
@@ -29,44 +40,60 @@ def _case(dtype: torch.dtype, rows: int, with_bias: bool):
     return x, weight, bias
 
 
-@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
-@pytest.mark.parametrize("rows", [1, 3, 64])
+def _blocks(weight: torch.Tensor, cuts: list[int]) -> list[tuple[int, torch.Tensor]]:
+    """``weight`` as row blocks starting at each cut (as q/k/v or gate/up arrive)."""
+    edges = [*cuts, weight.shape[0]]
+    return [(a, weight[a:b]) for a, b in zip(edges, edges[1:])]
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 64])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_packed_fp32_linear_matches_f_linear(rows, with_bias):
+@pytest.mark.parametrize("cuts", [[0], [0, 24, 32]])
+def test_dense_rows_match_f_linear(rows, with_bias, cuts):
     x, weight, bias = _case(torch.float32, rows, with_bias)
-    out = linear(x, weight, bias, PackedWeight(weight, bias))
+    out = DenseRows(_blocks(weight, cuts)).linear(x, bias)
     torch.testing.assert_close(out, F.linear(x, weight, bias), rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.skipif(not BF16_ONEDNN, reason="oneDNN has no bf16 path on this CPU")
 @pytest.mark.parametrize("rows", [1, 3, 64])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_packed_bf16_linear_matches_float32_arithmetic(rows, with_bias):
+def test_onednn_bf16_matches_float32_arithmetic(rows, with_bias):
     x, weight, bias = _case(torch.bfloat16, rows, with_bias)
-    out = linear(x, weight, bias, PackedWeight(weight, bias))
+    out = OneDnnWeight([(0, weight)]).linear(x, bias)
     assert out.dtype == torch.bfloat16 and out.shape == (rows, 40)
     # Same bf16 operands, accumulated in fp32: the only difference is the output's bf16 rounding.
     want = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
     torch.testing.assert_close(out.float(), want, rtol=1e-2, atol=2e-2)
 
 
-def test_onednn_is_used_for_fp32_and_for_bf16_only_where_onednn_runs_it(monkeypatch):
+def test_the_form_follows_the_device_the_dtype_and_the_cpu(monkeypatch):
     cpu = torch.device("cpu")
-    mkldnn = torch.backends.mkldnn.is_available()
-    assert onednn_enabled(cpu, torch.float32) == mkldnn
-    assert onednn_enabled(cpu, torch.bfloat16) == BF16_ONEDNN
-    assert not onednn_enabled(cpu, torch.float16)
-    assert not onednn_enabled(torch.device("meta"), torch.float32)
-    monkeypatch.setenv("FERROLLM_CPU_ONEDNN", "0")
-    assert not onednn_enabled(cpu, torch.float32) and not onednn_enabled(cpu, torch.bfloat16)
+    assert cpu_weight_form(torch.device("meta"), torch.float32) is None
+    assert cpu_weight_form(cpu, torch.float16) is None
+    own = KERNELS and _core.cpu_gemm_vectorized()
+    assert cpu_weight_form(cpu, torch.float32) == ("packed" if own else "rows")
+    assert cpu_weight_form(cpu, torch.bfloat16) == ("onednn" if BF16_ONEDNN else "rows")
+    if KERNELS:
+        monkeypatch.setenv("FERROLLM_CPU_GEMM", "portable")
+        assert cpu_weight_form(cpu, torch.float32) == "packed"
 
 
 def test_a_mismatched_input_dtype_falls_back_to_f_linear():
     x, weight, bias = _case(torch.float32, 4, True)
-    packed = PackedWeight(weight, bias) if torch.backends.mkldnn.is_available() else None
-    out = linear(x.double(), weight.double(), bias.double(), packed)
+    out = DenseRows([(0, weight.double())]).linear(x.double(), bias.double())
     assert out.dtype == torch.float64
     torch.testing.assert_close(out, F.linear(x.double(), weight.double(), bias.double()))
+
+
+def test_row_blocks_refuse_rows_that_overlap_or_leave_a_gap():
+    blocks = RowBlocks(40, 96, torch.float32)
+    blocks.add(0, torch.zeros(24, 96), "q")
+    blocks.add(20, torch.zeros(16, 96), "k")
+    with pytest.raises(CheckpointError, match="loaded twice"):
+        blocks.ordered()
+    with pytest.raises(CheckpointError, match=r"expects 8 rows of 96 at row 36 of 40"):
+        blocks.add(36, torch.zeros(8, 96), "v")
 
 
 @pytest.mark.parametrize("rows", [1, 7, 8, 20])
@@ -93,11 +120,28 @@ def test_the_cpu_mlp_of_a_long_prefill_runs_in_slabs_and_matches_one_pass():
     torch.testing.assert_close(mlp(x), mlp._mlp(x), rtol=1e-5, atol=1e-5)
 
 
-@needs_own_gemm
-@pytest.mark.parametrize("rows", [1, 3, 8, 13, 64, 257, 300])
-@pytest.mark.parametrize("shape", [(40, 96), (100, 129), (1153, 896), (896, 300)])
+@pytest.mark.parametrize("rows", [1, 3, 64])
+@pytest.mark.parametrize("cuts", [[0], [0, 17, 29]])
+def test_a_weight_packed_block_by_block_matches_f_linear_and_unpacks_to_itself(own_gemm, rows, cuts):
+    x, weight, bias = _case(torch.float32, rows, True)
+    packed = PackedWeight(_blocks(weight, cuts), 40, 96)
+    assert packed.weight.numel() == 48 * 96  # 40 columns padded to 48
+    torch.testing.assert_close(packed.linear(x, bias), F.linear(x, weight, bias), rtol=1e-5, atol=1e-4)
+    assert torch.equal(packed.dense(), weight)
+
+
+def test_a_rank_s_strided_columns_pack_as_their_contiguous_copy(own_gemm):
+    full = torch.randn(40, 192)
+    a = cpu_kernels.gemm_pack(full[:, 96:].contiguous())
+    b = torch.zeros_like(a)
+    cpu_kernels.gemm_pack_rows(full[:, 96:], b, 40, 0)
+    assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 13, 64, 257])
+@pytest.mark.parametrize("shape", [(40, 96), (100, 129), (1153, 96)])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_the_own_fp32_gemm_matches_f_linear(rows, shape, with_bias):
+def test_the_own_fp32_gemm_matches_f_linear(own_gemm, rows, shape, with_bias):
     # One row (its own loop), rows around the 8-row block and past the 256-row slab (257 leaves
     # a one-row slab); columns that end mid-vector and mid-panel; k past the 128-row chunk and
     # not a multiple of it. Two threads split the columns.
@@ -109,16 +153,6 @@ def test_the_own_fp32_gemm_matches_f_linear(rows, shape, with_bias):
     torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=2e-4)
 
 
-@needs_own_gemm
-def test_fp32_weights_pack_for_the_own_gemm_and_bf16_for_onednn():
-    x, weight, bias = _case(torch.float32, 5, True)
-    packed = PackedWeight(weight, bias)
-    assert packed.own_gemm and packed.weight.numel() == 48 * 96  # 40 columns padded to 48
-    torch.testing.assert_close(linear(x, weight, bias, packed), F.linear(x, weight, bias), rtol=1e-5, atol=1e-4)
-    if BF16_ONEDNN:
-        assert not PackedWeight(weight.bfloat16(), None).own_gemm
-
-
 def test_the_gemm_refuses_a_packed_weight_of_the_wrong_size():
     x, out, packed = torch.randn(3, 8), torch.empty(3, 20), torch.zeros(20 * 8)
     buf = lambda t: (t.data_ptr(), t.numel())  # noqa: E731
@@ -126,23 +160,9 @@ def test_the_gemm_refuses_a_packed_weight_of_the_wrong_size():
         _core.cpu_gemm(buf(x), buf(packed), None, buf(out), 3, 20, 8, 1)
 
 
-@needs_own_gemm
-def test_every_row_count_takes_the_own_gemm_where_it_packed_the_weight(monkeypatch):
-    calls = []
-    for name in ("gemm", "gemv"):
-        real = getattr(cpu_kernels, name)
-        monkeypatch.setattr(cpu_kernels, name, lambda *a, _n=name, _f=real: calls.append(_n) or _f(*a))
-    for rows in (1, 2, 3):
-        x, weight, bias = _case(torch.float32, rows, True)
-        out = linear(x, weight, bias, PackedWeight(weight, bias))
-        torch.testing.assert_close(out, F.linear(x, weight, bias), rtol=1e-5, atol=1e-4)
-    assert calls == ["gemm", "gemm", "gemm"]
-
-
-@needs_own_gemm
 @pytest.mark.parametrize("rows", [1, 3, 32, 257])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_the_gated_gemm_is_the_gemm_then_silu_and_mul_bit_for_bit(rows, with_bias):
+def test_the_gated_gemm_is_the_gemm_then_silu_and_mul_bit_for_bit(own_gemm, rows, with_bias):
     gen = torch.Generator().manual_seed(rows)
     x, weight = torch.randn(rows, 96, generator=gen), torch.randn(2 * 56, 96, generator=gen)
     bias = torch.randn(2 * 56, generator=gen) if with_bias else None
@@ -158,27 +178,37 @@ def test_gemm_pack_refuses_parts_that_do_not_divide_the_rows():
         cpu_kernels.gemm_pack(torch.randn(5, 8), parts=2)
 
 
-@needs_own_gemm
-def test_a_silu_mlp_runs_gate_up_and_the_activation_as_one_kernel(monkeypatch):
+def _loaded_mlp(act: str, form: str) -> tuple[LlamaMLP, torch.Tensor, torch.Tensor]:
+    """A LlamaMLP whose weights go through its loaders into ``form``; its input and reference."""
     torch.manual_seed(0)
-    mlp = LlamaMLP(32, 48, "silu", False, torch.float32)
-    for param in mlp.parameters():
-        torch.nn.init.normal_(param, std=0.2)
+    gate, up, down = torch.randn(48, 32) * 0.2, torch.randn(48, 32) * 0.2, torch.randn(32, 48) * 0.2
+    mlp = LlamaMLP(32, 48, act, False, torch.float32)
+    for layer in (mlp.gate_up_proj, mlp.down_proj):
+        layer.begin_cpu_weight(form)
+    mlp.gate_up_proj.weight_loader(mlp.gate_up_proj.weight, gate, 0)
+    mlp.gate_up_proj.weight_loader(mlp.gate_up_proj.weight, up, 1)
+    mlp.down_proj.weight_loader(mlp.down_proj.weight, down)
     x = torch.randn(5, 32)
-    unpacked = mlp(x)
-    mlp.gate_up_proj.pack_for_cpu()
-    mlp.down_proj.pack_for_cpu()
+    act_fn = F.silu if act == "silu" else (lambda t: F.gelu(t, approximate="tanh"))
+    return mlp, x, F.linear(act_fn(F.linear(x, gate)) * F.linear(x, up), down)
+
+
+def test_a_silu_mlp_runs_gate_up_and_the_activation_as_one_kernel(own_gemm, monkeypatch):
+    mlp, x, want = _loaded_mlp("silu", "packed")
+    assert mlp.gate_up_proj.weight.device.type == "meta"  # the packed form holds the only copy
     calls = []
     for name in ("gemm", "gemm_silu_mul", "silu_and_mul"):
         real = getattr(cpu_kernels, name)
         monkeypatch.setattr(cpu_kernels, name, lambda *a, _n=name, _f=real: calls.append(_n) or _f(*a))
-    torch.testing.assert_close(mlp(x), unpacked, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(mlp(x), want, rtol=1e-5, atol=1e-5)
     assert calls == ["gemm_silu_mul", "gemm"]
     # The gated pack still serves the plain product, half by half.
-    torch.testing.assert_close(mlp.gate_up_proj(x), F.linear(x, mlp.gate_up_proj.weight), rtol=1e-5, atol=1e-5)
+    plain = torch.cat([F.linear(x, w) for w in mlp.gate_up_proj.dense_weight().chunk(2)], dim=1)
+    torch.testing.assert_close(mlp.gate_up_proj(x), plain, rtol=1e-5, atol=1e-5)
 
 
-def test_an_mlp_with_another_activation_packs_gate_up_whole():
-    mlp = LlamaMLP(32, 48, "gelu_pytorch_tanh", False, torch.float32)
-    mlp.gate_up_proj.pack_for_cpu()
-    assert not mlp.gate_up_proj.gated and mlp.gate_up_proj.silu_and_mul(torch.randn(2, 32)) is None
+@pytest.mark.parametrize("form", ["rows", "packed"])
+def test_an_mlp_with_another_activation_keeps_gate_up_whole(own_gemm, form):
+    mlp, x, want = _loaded_mlp("gelu_pytorch_tanh", form)
+    assert not mlp.gate_up_proj.gated and mlp.gate_up_proj.silu_and_mul(x) is None
+    torch.testing.assert_close(mlp(x), want, rtol=1e-5, atol=1e-5)

@@ -14,10 +14,11 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from ferrollm.exceptions import CheckpointError
-from ferrollm.model_executor.layers.cpu_gemm import onednn_enabled, pack_linear_weights
+from ferrollm.model_executor.layers.cpu_weights import cpu_weight_form
+from ferrollm.model_executor.layers.rotary import MAX_MODEL_LEN_ATTR
 from ferrollm.model_executor.gguf_loader import gguf_to_hf_name, load_gguf
 from ferrollm.model_executor.registry import ModelRegistry
-from ferrollm.model_executor.weight_utils import LazyTensor, shareable
+from ferrollm.model_executor.weight_utils import LazyTensor, file_mapped
 
 __all__ = ["build_model", "get_model", "gguf_to_hf_name", "iterate_safetensors", "load_gguf", "load_model"]
 
@@ -37,8 +38,8 @@ def iterate_safetensors(folder: str | Path, lazy: bool = False) -> Iterator[tupl
 
     Yields:
         ``(name, tensor)`` with the checkpoint's names and dtypes. The tensors are views of the
-        file's private, copy-on-write mapping, marked :func:`shareable`: parameters filled whole
-        from them keep the mapping instead of a copy.
+        file's private, copy-on-write mapping, marked `file_mapped`: layers keep the mapping (or
+        views of it) instead of a copy where they can.
 
     Raises:
         CheckpointError: if the folder has no safetensors files.
@@ -53,7 +54,7 @@ def iterate_safetensors(folder: str | Path, lazy: bool = False) -> Iterator[tupl
                     handle = f.get_slice(name)
                     yield name, LazyTensor(handle, tuple(handle.get_shape()))  # type: ignore[misc]
                 else:
-                    yield name, shareable(f.get_tensor(name))
+                    yield name, file_mapped(f.get_tensor(name))
 
 
 def _safetensors_files(folder: Path) -> list[Path]:
@@ -91,6 +92,7 @@ def get_model(
         CheckpointError: for tensors that do not match the model.
     """
     model = build_model(config, dtype, device)
+    begin_loading(model, dtype, device)
     model.load_weights(weights)
     return finish_loading(model, dtype, device)
 
@@ -106,10 +108,24 @@ def build_model(config: PretrainedConfig, dtype: torch.dtype, device: torch.devi
         return model_cls(config, dtype)
 
 
+def begin_loading(model: nn.Module, dtype: torch.dtype, device: torch.device | str) -> None:
+    """Makes the CPU layers collect their checkpoint rows straight into the one form they keep
+    (see `cpu_weights`), so no merged or dense copy is made on the way."""
+    form = cpu_weight_form(torch.device(device), dtype)
+    for module in model.modules():
+        begin = getattr(module, "begin_cpu_weight", None)
+        if callable(begin):
+            begin(form)
+
+
 def finish_loading(model: nn.Module, dtype: torch.dtype, device: torch.device | str) -> nn.Module:
-    """Packs the loaded weights for oneDNN where that applies; returns the model in eval mode."""
-    if onednn_enabled(torch.device(device), dtype):
-        pack_linear_weights(model)
+    """Builds the CPU form of every layer the loading did not (LM heads, sharded state); returns
+    the model in eval mode."""
+    form = cpu_weight_form(torch.device(device), dtype)
+    for module in model.modules():
+        finish = getattr(module, "finish_cpu_weight", None)
+        if callable(finish):
+            finish(form)
     return model.eval()
 
 
@@ -131,6 +147,8 @@ def load_model(model_config, load_format: str, device: torch.device, rank: int =
     from ferrollm.model_executor.sharded_state import load_rank_state
 
     source, dtype = model_config.source, model_config.dtype
+    # No position past `max_model_len` ever runs: tables sized by position stop there.
+    setattr(model_config.hf_config, MAX_MODEL_LEN_ATTR, model_config.max_model_len)
     if load_format == "sharded_state":
         model = build_model(model_config.hf_config, dtype, device)
         load_rank_state(model, source.folder, rank, world_size)
@@ -138,6 +156,7 @@ def load_model(model_config, load_format: str, device: torch.device, rank: int =
     if source.gguf_file is not None:
         _, weights = load_gguf(source.gguf_file)
     else:
-        # Under TP each rank reads only the slices its layers keep.
-        weights = iterate_safetensors(source.folder, lazy=world_size > 1)
+        # Under TP each rank reads only the slices its layers keep: on the CPU they are views of
+        # the mapping (whose pages the ranks share), elsewhere windows read when copied.
+        weights = iterate_safetensors(source.folder, lazy=world_size > 1 and device.type != "cpu")
     return get_model(model_config.hf_config, dtype, weights, device=device)

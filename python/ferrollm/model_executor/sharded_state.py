@@ -28,14 +28,17 @@ _TP_KEY = "tensor_parallel_size"
 
 
 def _state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Parameters by name, a tensor shared by several names (tied embeddings) kept once."""
+    """Parameters by name, a tensor shared by several names (tied embeddings) kept once; a layer
+    whose weight lives in a CPU form (`cpu_weights`) gives it back in the plain layout."""
+    dense = {f"{prefix}.weight" if prefix else "weight": module.dense_weight
+             for prefix, module in model.named_modules() if callable(getattr(module, "dense_weight", None))}
     seen: set[int] = set()
     out = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         if id(param) in seen:
             continue
         seen.add(id(param))
-        out[name] = param.detach()
+        out[name] = dense[name]().detach() if name in dense else param.detach()
     return out
 
 

@@ -19,17 +19,20 @@ place while the engine runs is not supported (a truncated file faults on access)
 from __future__ import annotations
 
 import os
+import weakref
 
 import torch
 from torch import nn
 
 from ferrollm.exceptions import CheckpointError
 
-__all__ = ["LazyTensor", "check_shape", "copy_weight", "default_weight_loader", "materialize",
-           "share_or_copy", "shareable"]
+__all__ = ["LazyTensor", "check_shape", "copy_weight", "default_weight_loader", "file_mapped", "is_file_mapped",
+           "is_shareable", "materialize", "share_or_copy", "shareable"]
 
 # Set on tensors nobody else holds or writes: a checkpoint reader's fresh or file-mapped tensors.
 _SHAREABLE = "_ferrollm_shareable"
+# Storage base address -> True, for the storages of live tensors a reader marked `file_mapped`.
+_MAPPED: dict[int, bool] = {}
 
 
 class LazyTensor:
@@ -161,6 +164,32 @@ def shareable(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def file_mapped(t: torch.Tensor) -> torch.Tensor:
+    """Marks a checkpoint reader's view of a read-only file mapping: like :func:`shareable`, and
+    also for its views (a rank's rows, one of q/k/v), while the tensor lives; their pages may be
+    handed back after a copy (`cpu_weights.release_pages`). Returns ``t``."""
+    shareable(t)
+    base = t.untyped_storage().data_ptr()
+    _MAPPED[base] = True
+    weakref.finalize(t, _MAPPED.pop, base, None)
+    return t
+
+
+def is_file_mapped(t: torch.Tensor) -> bool:
+    """Whether ``t`` views the storage of a live :func:`file_mapped` tensor."""
+    return isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.untyped_storage().data_ptr() in _MAPPED
+
+
+def is_shareable(t: torch.Tensor) -> bool:
+    """Whether a layer may keep ``t``'s memory instead of a copy (`FERROLLM_SHARE_CHECKPOINT_MEMORY=0`
+    says never)."""
+    if os.environ.get("FERROLLM_SHARE_CHECKPOINT_MEMORY", "1") == "0":
+        return False
+    # A view (one of q/k/v, a rank's rows) of a marked tensor counts as the tensor.
+    return (getattr(t, _SHAREABLE, False) or getattr(getattr(t, "_base", None), _SHAREABLE, False)
+            or is_file_mapped(t))
+
+
 def share_or_copy(param: nn.Parameter, src: torch.Tensor, what: str = "weight") -> None:
     """Fills all of ``param`` from ``src``: by taking ``src``'s memory when it was marked
     :func:`shareable` and matches the parameter's device, dtype and shape and is contiguous,
@@ -177,8 +206,8 @@ def share_or_copy(param: nn.Parameter, src: torch.Tensor, what: str = "weight") 
 
 
 def _can_share(param: nn.Parameter, src: torch.Tensor) -> bool:
-    return (getattr(src, _SHAREABLE, False) and os.environ.get("FERROLLM_SHARE_CHECKPOINT_MEMORY", "1") != "0"
-            and src.device == param.device and src.dtype == param.dtype and src.is_contiguous())
+    return (is_shareable(src) and src.device == param.device and src.dtype == param.dtype
+            and src.is_contiguous())
 
 
 def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor) -> None:

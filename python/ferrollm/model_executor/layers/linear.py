@@ -7,13 +7,17 @@ cost one all-reduce this way.
 
 Every parameter carries a ``weight_loader(param, loaded_weight[, shard_id])`` that copies this
 rank's slice of a full checkpoint tensor, so model code loads checkpoints without knowing the rank.
+
+On the CPU a layer keeps its weight in one form (`cpu_weights`): ``begin_cpu_weight`` before
+loading makes the loaders hand each slice's rows to it instead of copying them into ``weight``,
+and the form is built when the last rows arrive (``finish_cpu_weight`` builds it from ``weight``
+for layers filled another way).
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
-
 
 from ferrollm.distributed import (
     get_tensor_model_parallel_rank,
@@ -22,7 +26,13 @@ from ferrollm.distributed import (
     tensor_model_parallel_all_reduce,
 )
 from ferrollm.exceptions import CheckpointError, ConfigError
-from ferrollm.model_executor.layers.cpu_gemm import PackedWeight, linear, silu_and_mul_linear
+from ferrollm.model_executor.layers.cpu_weights import (
+    CpuWeight,
+    PackedWeight,
+    RowBlocks,
+    build_cpu_weight,
+    dense_linear,
+)
 from ferrollm.model_executor.weight_utils import copy_weight, share_or_copy
 
 __all__ = [
@@ -57,9 +67,9 @@ def _check_full_size(loaded_weight: torch.Tensor, dim: int, expected: int, what:
         )
 
 
-def _param(shape: tuple[int, ...], dtype: torch.dtype | None, loader) -> nn.Parameter:
+def _param(shape: tuple[int, ...], dtype: torch.dtype | None, loader, device: str | None = None) -> nn.Parameter:
     # torch.empty honours a surrounding `with torch.device(...)`, so models can be built in place.
-    param = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
+    param = nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
     param.weight_loader = loader
     return param
 
@@ -93,20 +103,55 @@ class LinearBase(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
         raise NotImplementedError
 
-    # The packed copy of the weight, set by `pack_for_cpu` after loading (CPU).
-    _packed: PackedWeight | None = None
+    # The weight's CPU form (see `cpu_weights`), and the rows collected for it while loading.
+    _cpu: CpuWeight | None = None
+    _rows: RowBlocks | None = None
+    _form: str | None = None
     # Whether the output is a `[gate, up]` pair that feeds `silu(gate) * up` (see `silu_and_mul`).
     gated: bool = False
 
     def _bias_on_this_rank(self) -> torch.Tensor | None:
         return self.bias
 
-    def pack_for_cpu(self) -> None:
-        """Packs the loaded weight for the CPU's matrix products (see `cpu_gemm`)."""
-        self._packed = PackedWeight(self.weight, self._bias_on_this_rank(), gated=self.gated)
+    def begin_cpu_weight(self, form: str | None) -> None:
+        """Makes the loaders collect the weight's rows for ``form`` (`cpu_weights.cpu_weight_form`)."""
+        self._form = form
+        if form is not None:
+            self._rows = RowBlocks(*self.weight.shape, self.weight.dtype)
+
+    def finish_cpu_weight(self, form: str | None) -> None:
+        """Builds the CPU form from ``weight`` where the loaders did not (tests, sharded state)."""
+        if form is not None and self._cpu is None:
+            self._rows = RowBlocks(*self.weight.shape, self.weight.dtype)
+            self._form = form
+            self._rows.add(0, self.weight.detach(), "weight")
+            self._build_cpu_weight()
+
+    def _load_rows(self, param: nn.Parameter, first_row: int, src: torch.Tensor, what: str) -> None:
+        """Rows ``first_row ..`` of ``param`` from ``src``: to the CPU form's collection where one
+        is being built, else copied in place."""
+        if param is not self.weight or self._rows is None:
+            return copy_weight(param.data.narrow(0, first_row, src.shape[0]), src, what)
+        self._rows.add(first_row, src, what)
+        if self._rows.complete:
+            self._build_cpu_weight()
+
+    def _build_cpu_weight(self) -> None:
+        assert self._rows is not None and self._form is not None
+        shape = tuple(self.weight.shape)
+        self._cpu = build_cpu_weight(self._form, self._rows.ordered(), *shape, gated=self.gated)
+        self._rows = None
+        # The form holds the only copy; `weight` keeps its shape and dtype on the meta device.
+        self.weight = _param(shape, self.weight.dtype, self.weight_loader, device="meta")
+
+    def dense_weight(self) -> torch.Tensor:
+        """The plain ``[out, in]`` weight of this rank, whatever form holds it."""
+        return self.weight if self._cpu is None else self._cpu.dense()
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return linear(x, self.weight, bias, self._packed)
+        if self._cpu is not None:
+            return self._cpu.linear(x, bias)
+        return dense_linear(x, self.weight, bias)
 
     def extra_repr(self) -> str:
         return (f"in={self.input_size}, out={self.output_size}, bias={self.has_bias}, "
@@ -122,6 +167,8 @@ class ReplicatedLinear(LinearBase):
         self._create_params((output_size, input_size), output_size)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
+        if param is self.weight and self._rows is not None:
+            return self._load_rows(param, 0, loaded_weight, "weight")
         share_or_copy(param, loaded_weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -150,7 +197,7 @@ class ColumnParallelLinear(LinearBase):
         """Copies rows ``[rank * n, (rank + 1) * n)`` of the full weight (or bias)."""
         _check_full_size(loaded_weight, 0, self.output_size, "column-parallel weight")
         size = param.shape[0]
-        copy_weight(param.data, loaded_weight.narrow(0, self.tp_rank * size, size))
+        self._load_rows(param, 0, loaded_weight.narrow(0, self.tp_rank * size, size), "weight")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self._matmul(x, self.bias)
@@ -180,7 +227,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         """``silu(gate) * up`` of this ``[gate, up]`` projection in one CPU kernel, where the weight
         was packed for it (``gated`` set before loading); None where the caller must run the
         projection and the activation apart."""
-        return silu_and_mul_linear(x, self._packed)
+        if isinstance(self._cpu, PackedWeight):
+            return self._cpu.silu_and_mul(x, self.bias)
+        return None
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
                       loaded_shard_id: int | None = None) -> None:
@@ -200,8 +249,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         _check_full_size(loaded_weight, 0, self.output_sizes[loaded_shard_id], what)
         size = self.output_sizes[loaded_shard_id] // self.tp_size
         offset = sum(self.output_sizes[:loaded_shard_id]) // self.tp_size
-        copy_weight(param.data.narrow(0, offset, size),
-                    loaded_weight.narrow(0, self.tp_rank * size, size), what)
+        self._load_rows(param, offset, loaded_weight.narrow(0, self.tp_rank * size, size), what)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -272,8 +320,7 @@ class QKVParallelLinear(ColumnParallelLinear):
             "k": (q, kv, self.tp_rank // self.num_kv_head_replicas),
             "v": (q + kv, kv, self.tp_rank // self.num_kv_head_replicas),
         }[loaded_shard_id]
-        copy_weight(param.data.narrow(0, offset, size),
-                    loaded_weight.narrow(0, shard_rank * size, size), what)
+        self._load_rows(param, offset, loaded_weight.narrow(0, shard_rank * size, size), what)
 
 
 class RowParallelLinear(LinearBase):
@@ -302,10 +349,10 @@ class RowParallelLinear(LinearBase):
         if param.dim() == 1:
             return share_or_copy(param, loaded_weight, "bias")
         _check_full_size(loaded_weight, 1, self.input_size, "row-parallel weight")
-        if self.tp_size == 1:
+        if self.tp_size == 1 and self._rows is None:
             return share_or_copy(param, loaded_weight)
         size = param.shape[1]
-        copy_weight(param.data, loaded_weight.narrow(1, self.tp_rank * size, size))
+        self._load_rows(param, 0, loaded_weight.narrow(1, self.tp_rank * size, size), "row-parallel weight")
 
     def _bias_on_this_rank(self) -> torch.Tensor | None:
         # The partial sums are all-reduced, so only rank 0 adds the bias.

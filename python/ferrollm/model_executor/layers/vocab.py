@@ -18,7 +18,7 @@ from ferrollm.distributed import (
     tensor_model_parallel_all_gather,
     tensor_model_parallel_all_reduce,
 )
-from ferrollm.model_executor.layers.cpu_gemm import PackedWeight, linear
+from ferrollm.model_executor.layers.cpu_weights import CpuWeight, build_cpu_weight, dense_linear
 from ferrollm.model_executor.weight_utils import check_shape, copy_weight, share_or_copy
 
 __all__ = ["DEFAULT_VOCAB_PADDING_SIZE", "ParallelLMHead", "VocabParallelEmbedding", "pad_vocab_size"]
@@ -117,12 +117,18 @@ class ParallelLMHead(VocabParallelEmbedding):
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("ParallelLMHead is applied with compute_logits(), not called")
 
-    # The packed oneDNN copy of the head, set by `pack_for_cpu` (CPU, fp32).
-    _packed: PackedWeight | None = None
+    # The head's CPU form (see `cpu_weights`), built by `finish_cpu_weight` after loading.
+    _cpu: CpuWeight | None = None
 
-    def pack_for_cpu(self) -> None:
-        """Packs the head's weight for oneDNN (see `cpu_gemm`); a tied embedding keeps its own."""
-        self._packed = PackedWeight(self.weight, self.bias)
+    def finish_cpu_weight(self, form: str | None) -> None:
+        """Builds the head's CPU form from its loaded weight. A tied head shares the embedding's
+        table, which the embedding keeps; the ``"rows"`` form reads that table itself."""
+        if form is None or self._cpu is not None:
+            return
+        self._cpu = build_cpu_weight(form, [(0, self.weight.detach())], *self.weight.shape)
+
+    def dense_weight(self) -> torch.Tensor:
+        return self.weight
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Vocabulary logits of the given hidden states.
@@ -133,6 +139,9 @@ class ParallelLMHead(VocabParallelEmbedding):
         Returns:
             float32 ``[num_tokens, vocab_size]``, padding removed.
         """
-        logits = linear(hidden_states, self.weight, self.bias, self._packed)
+        if self._cpu is not None:
+            logits = self._cpu.linear(hidden_states, self.bias)
+        else:
+            logits = dense_linear(hidden_states, self.weight, self.bias)
         logits = tensor_model_parallel_all_gather(logits, dim=-1)
         return logits[..., : self.org_vocab_size].float()
