@@ -17,6 +17,7 @@ from ferrollm._core import (
     __version__,
 )
 from ferrollm.config.pooler_config import PoolerConfig
+from ferrollm.logger import configure_logging
 from ferrollm.outputs import (
     CompletionOutput,
     EmbeddingOutput,
@@ -30,6 +31,8 @@ from ferrollm.outputs import (
 )
 from ferrollm.pooling_params import PoolingParams
 from ferrollm.sampling_params import RequestOutputKind, SamplingParams
+
+configure_logging()
 
 __all__ = [
     "LLM",

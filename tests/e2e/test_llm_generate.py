@@ -196,9 +196,21 @@ def test_unknown_architecture_names_it_and_hf_overrides(tiny_llama, tmp_path):
 
 def test_kv_cache_too_small_fails_at_startup_with_the_fitting_length(tiny_llama, monkeypatch):
     path, hf_model = tiny_llama
-    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", str(_kv_gib(hf_model, tokens=64)))
+    # 80 tokens' worth: five 16-token blocks, one of them the null block.
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", str(_kv_gib(hf_model, tokens=80)))
     with pytest.raises(exc.KVCacheTooSmallError, match="largest `max_model_len` that fits is 64"):
         LLM(model=str(path), max_model_len=128)
+
+
+@pytest.mark.parametrize("tokens", [80, 200])
+def test_the_kv_cache_takes_the_bytes_asked_and_never_more(tiny_llama, monkeypatch, tokens):
+    path, hf_model = tiny_llama
+    budget = _kv_gib(hf_model, tokens=tokens)
+    monkeypatch.setenv("FERROLLM_CPU_KVCACHE_SPACE", str(budget))
+    with LLM(model=str(path), max_model_len=64) as llm:
+        kv_bytes = sum(t.numel() * t.element_size() for t in llm.llm_engine.runner.kv_caches)
+    per_block = kv_bytes // (tokens // 16)
+    assert kv_bytes <= budget * (1 << 30) < kv_bytes + per_block
 
 
 def test_missing_model_says_how_to_pass_a_folder(monkeypatch):

@@ -39,12 +39,13 @@ def bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_siz
 
 
 def num_kv_blocks(budget_bytes: int, block_bytes: int, block_size: int, max_model_len: int, max_num_seqs: int) -> int:
-    """Blocks in the pool, the reserved null block included.
+    """Blocks in the pool, the reserved null block included: all of them fit in the budget, so the
+    cache never takes more bytes than were asked for.
 
     Raises:
         KVCacheTooSmallError: one `max_model_len` sequence does not fit in the budget.
     """
-    usable = budget_bytes // block_bytes
+    usable = max(0, budget_bytes // block_bytes - 1)  # one block is the null block
     needed_one = -(-max_model_len // block_size)
     if usable < needed_one:
         fits = usable * block_size

@@ -23,6 +23,12 @@ from ferrollm.config.compilation import CompilationConfig
 from ferrollm.config.generation_config import default_sampling_fields
 from ferrollm.config.model_config import ModelConfig, build_model_config
 from ferrollm.config.model_source import resolve_model_source
+from ferrollm.engine.startup_report import (
+    StartupClock,
+    activation_workspace_bytes,
+    log_memory,
+    model_weight_bytes,
+)
 from ferrollm.engine.tokenizer_loader import Tokenizers, load_tokenizers
 from ferrollm.exceptions import ConfigError, EngineError
 from ferrollm.pooling_params import PoolingParams
@@ -123,31 +129,39 @@ class LLMEngine:
         if args.seed is not None:
             torch.manual_seed(args.seed)
         device = _device(args.device)
-        source = resolve_model_source(args.model, args.revision)
-        hf_config, weights = _read_checkpoint(source)
-        model_config = build_model_config(
-            source, hf_config, hf_overrides=args.hf_overrides, dtype=args.dtype,
-            max_model_len=args.max_model_len, device=device, runner=args.runner, convert=args.convert,
-            pooler_config=args.pooler_config,
-        )
-        tokenizers = load_tokenizers(source, args.tokenizer, args.revision)
+        clock = StartupClock()
+        with clock.phase("config"):
+            source = resolve_model_source(args.model, args.revision)
+            hf_config, weights = _read_checkpoint(source)
+            model_config = build_model_config(
+                source, hf_config, hf_overrides=args.hf_overrides, dtype=args.dtype,
+                max_model_len=args.max_model_len, device=device, runner=args.runner, convert=args.convert,
+                pooler_config=args.pooler_config,
+            )
+        with clock.phase("tokenizer"):
+            tokenizers = load_tokenizers(source, args.tokenizer, args.revision)
         if model_config.is_pooling:
             if args.tensor_parallel_size > 1:
                 raise ConfigError("`tensor_parallel_size` must be 1 for a pooling model (runner='pooling'). "
                                   f"Given: {args.tensor_parallel_size}")
             from ferrollm.model_executor.loader import get_model
 
-            model = get_model(model_config.hf_config, model_config.dtype, weights(), device=device)
+            with clock.phase("weights"):
+                model = get_model(model_config.hf_config, model_config.dtype, weights(), device=device)
             core, runner = _build_pooling_core(args, model_config, model, tokenizers, device)
+            clock.log()
             return cls(args, model_config, tokenizers, core, runner)
-        return cls._from_workers(args, model_config, tokenizers, device)
+        engine = cls._from_workers(args, model_config, tokenizers, device, clock)
+        clock.log()
+        return engine
 
     @classmethod
-    def _from_workers(cls, args: EngineArgs, mc: ModelConfig, tokenizers: Tokenizers, device: torch.device) -> LLMEngine:
+    def _from_workers(cls, args: EngineArgs, mc: ModelConfig, tokenizers: Tokenizers, device: torch.device,
+                      clock: StartupClock) -> LLMEngine:
         """A generative engine: every rank loads its shard and states how many KV blocks it can
         hold; the core gets the smallest number, and every rank allocates that many."""
         options = CacheOptions(block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-                               max_num_batched_tokens=_batched_tokens(args),
+                               max_num_batched_tokens=_batched_tokens(args, mc.max_model_len),
                                gpu_memory_utilization=args.gpu_memory_utilization, load_format=args.load_format)
         executor: MultiprocExecutor | ExternalLauncherExecutor | None = None
         if args.tensor_parallel_size > 1:
@@ -165,10 +179,12 @@ class LLMEngine:
                 return [getattr(driver, method)(*a)]
         try:
             start = time.perf_counter()
-            num_blocks = min(run("load_model"))
+            with clock.phase("weights"):
+                num_blocks = min(run("load_model"))
             load_seconds = time.perf_counter() - start
-            core = _build_core(args, mc, driver.sliding_window(), num_blocks, tokenizers, device)
-            run("init_kv_cache", num_blocks, tokenizers.core.eos_token_ids)
+            with clock.phase("KV cache"):
+                core = _build_core(args, mc, driver.sliding_window(), num_blocks, tokenizers, device)
+                run("init_kv_cache", num_blocks, tokenizers.core.eos_token_ids)
         except BaseException:
             if executor is not None:
                 executor.shutdown(graceful=False)
@@ -178,6 +194,7 @@ class LLMEngine:
         assert driver.runner is not None
         engine = cls(args, mc, tokenizers, core, driver.runner, executor)
         engine.model_load_seconds = load_seconds
+        _log_memory(args, mc, driver.runner, num_blocks)
         return engine
 
     @property
@@ -299,13 +316,25 @@ def _read_checkpoint(source):
     return config, lambda: loader.iterate_safetensors(source.folder)
 
 
-def _batched_tokens(args: EngineArgs) -> int:
-    return args.max_num_batched_tokens or max(8192, args.max_num_seqs)
+def _batched_tokens(args: EngineArgs, max_model_len: int) -> int:
+    """`max_num_batched_tokens`, by default 8192 (or `max_num_seqs`), but never more than
+    `max_num_seqs` sequences of `max_model_len` can hold: a step's activations grow with its tokens,
+    so lowering either option lowers the peak."""
+    return args.max_num_batched_tokens or min(max(8192, args.max_num_seqs), max_model_len * args.max_num_seqs)
+
+
+def _log_memory(args: EngineArgs, mc: ModelConfig, runner: ModelRunner, num_blocks: int) -> None:
+    """Rank 0's weights, KV cache and largest step workspace, at INFO."""
+    batched = _batched_tokens(args, mc.max_model_len)
+    kv_bytes = sum(t.numel() * t.element_size() for t in runner.kv_caches)
+    workspace = activation_workspace_bytes(mc.hf_config, mc.dtype, batched, args.max_num_seqs)
+    log_memory(model_weight_bytes(runner.model), kv_bytes, num_blocks, args.block_size, workspace, batched,
+               args.max_num_seqs)
 
 
 def _build_core(args: EngineArgs, mc: ModelConfig, window: int | None, num_blocks: int, tokenizers: Tokenizers,
                 device: torch.device) -> EngineCore:
-    batched = _batched_tokens(args)
+    batched = _batched_tokens(args, mc.max_model_len)
     # Decides (and checks) the decode sizes a CUDA graph runner would capture. Capture itself is
     # not switched on until the graph runner has been validated on a GPU (tests/kernels/test_cuda_graph.py).
     CompilationConfig.from_value(args.compilation_config).init_capture_sizes(
