@@ -49,10 +49,14 @@ def _blocks(weight: torch.Tensor, cuts: list[int]) -> list[tuple[int, torch.Tens
 @pytest.mark.parametrize("rows", [1, 2, 3, 64])
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("cuts", [[0], [0, 24, 32]])
-def test_dense_rows_match_f_linear(rows, with_bias, cuts):
+@pytest.mark.parametrize("apart", [False, True])
+def test_dense_rows_match_f_linear(rows, with_bias, cuts, apart):
     x, weight, bias = _case(torch.float32, rows, with_bias)
-    out = DenseRows(_blocks(weight, cuts)).linear(x, bias)
-    torch.testing.assert_close(out, F.linear(x, weight, bias), rtol=1e-5, atol=1e-4)
+    blocks = [(first, w.clone() if apart else w) for first, w in _blocks(weight, cuts)]
+    form = DenseRows(blocks)
+    # Back-to-back blocks (gate_proj and up_proj in an HF file) run as one product.
+    assert len(form.parts) == (len(cuts) if apart else 1)
+    torch.testing.assert_close(form.linear(x, bias), F.linear(x, weight, bias), rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.skipif(not BF16_ONEDNN, reason="oneDNN has no bf16 path on this CPU")

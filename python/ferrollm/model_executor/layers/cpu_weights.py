@@ -128,10 +128,22 @@ def _keepable(src: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 class DenseRows:
-    """The ``"rows"`` form: plain row blocks, one product per block, outputs side by side."""
+    """The ``"rows"`` form: plain row blocks, one product per block, outputs side by side.
+
+    Blocks that lie back to back in memory become one: an HF checkpoint stores each layer's
+    tensors by name, so gate_proj and up_proj are adjacent in the file and a gated MLP's gate/up
+    product stays one call (q, k and v are not: k_proj, o_proj, q_proj, v_proj).
+    """
 
     def __init__(self, blocks: list[tuple[int, torch.Tensor]]):
-        self.parts = [(first, first + w.shape[0], w) for first, w in blocks]
+        self._held = [w for _, w in blocks]  # the joined views below do not own their memory
+        joined: list[tuple[int, torch.Tensor]] = []
+        for first, w in blocks:
+            if joined and _adjacent(joined[-1][1], w):
+                joined[-1] = (joined[-1][0], _join(joined[-1][1], w))
+            else:
+                joined.append((first, w))
+        self.parts = [(first, first + w.shape[0], w) for first, w in joined]
         self.dtype = blocks[0][1].dtype
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -144,6 +156,17 @@ class DenseRows:
     def tensors(self) -> dict[int, int]:
         """Bytes held, by address (for counting shared tensors once)."""
         return {w.data_ptr(): w.numel() * w.element_size() for _, _, w in self.parts}
+
+
+def _adjacent(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (a.dtype == b.dtype and a.shape[1:] == b.shape[1:] and a.is_contiguous() and b.is_contiguous()
+            and a.device.type == b.device.type == "cpu" and a.data_ptr() + a.nbytes == b.data_ptr())
+
+
+def _join(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """One tensor over two adjacent ones, viewing their memory; the caller keeps both alive."""
+    buf = (ctypes.c_byte * (a.nbytes + b.nbytes)).from_address(a.data_ptr())
+    return torch.frombuffer(buf, dtype=a.dtype).view(-1, *a.shape[1:])
 
 
 class OneDnnWeight:
