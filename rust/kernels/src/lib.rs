@@ -15,6 +15,8 @@
 //! - [`prefill`]: a prompt's causal attention over its paged context, flash-attention style, on
 //!   AVX-512 CPUs; ~3x torch's fused attention, which needed the context gathered out first.
 //! - [`cache`]: the step's keys and values into their KV cache slots, for the same reason.
+//! - [`quant`]: GGUF's block formats (Q4_0 to Q8_0, Q4_K to Q6_K, f16, bf16) to floats, one
+//!   block-decoding function per format, for loading llama.cpp files.
 //!
 //! The kernels split rows over the OpenMP team of the process they live in ([`openmp`]), the
 //! same threads torch runs its ops on, instead of a pool of their own: two pools on the same cores
@@ -35,6 +37,7 @@ pub mod norm;
 pub mod openmp;
 mod paged;
 pub mod prefill;
+pub mod quant;
 pub mod rotary;
 mod simd;
 #[cfg(test)]
