@@ -22,6 +22,8 @@ __all__ = [
     "cpu_gemm_silu_mul",
     "cpu_gemm_vectorized",
     "cpu_gemv",
+    "cpu_gguf_dequantize",
+    "cpu_gguf_supported",
     "cpu_openmp_attach",
     "cpu_paged_decode",
     "cpu_paged_prefill",
@@ -373,3 +375,7 @@ def cpu_write_kv(
     key_stride: int,
     value_stride: int,
 ) -> None: ...
+
+# GGUF block decoding (`rust/kernels/src/quant.rs`); see `ferrollm.gguf_kernels`, the caller.
+def cpu_gguf_supported(ggml_type: int) -> bool: ...
+def cpu_gguf_dequantize(ggml_type: int, data: _Buffer, dtype: str, out: _Buffer, threads: int) -> None: ...

@@ -6,6 +6,7 @@ mod broadcast;
 mod cpu_kernels;
 mod engine;
 mod errors;
+mod gguf;
 mod outputs;
 mod sampling;
 mod tokenizer;
@@ -36,6 +37,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cpu_kernels::cpu_rms_norm, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_kernels::cpu_silu_and_mul, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_kernels::cpu_rotary_neox, m)?)?;
+    m.add_function(wrap_pyfunction!(gguf::cpu_gguf_supported, m)?)?;
+    m.add_function(wrap_pyfunction!(gguf::cpu_gguf_dequantize, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }
