@@ -1,17 +1,26 @@
-"""GGUF: llama.cpp names and row order, and a real quantized SmolLM2 file against transformers."""
+"""GGUF: the reader and the config against gguf-py and transformers on tiny files written here,
+llama.cpp names and row order, and a real quantized SmolLM2 file against transformers."""
 
 from __future__ import annotations
 
 import importlib.util
+import logging
 from pathlib import Path
 
+import gguf
+import numpy as np
 import pytest
 import torch
 from helpers.engine_driver import hf_greedy, run_engine
+from helpers.gguf_files import write_gguf
 
 from ferrollm.exceptions import CheckpointError
 from ferrollm.model_executor.gguf_loader import _unpermute_qk, gguf_to_hf_name, load_gguf
+from ferrollm.model_executor.gguf_reader import GGUFFile, open_gguf
 from ferrollm.model_executor.loader import get_model
+from ferrollm.model_executor import weight_utils
+
+Q = gguf.GGMLQuantizationType
 
 torch.set_num_threads(2)
 
@@ -51,6 +60,83 @@ def test_llama_cpp_names_map_to_hf_names():
 def test_missing_gguf_file_is_reported(tmp_path):
     with pytest.raises(CheckpointError, match="does not exist"):
         load_gguf(tmp_path / "nope.gguf")
+
+
+def _mixed_tensors() -> dict[str, tuple[np.ndarray, gguf.GGMLQuantizationType]]:
+    """A tensor of each kind the loader treats differently: mapped, Rust-decoded, numpy-decoded."""
+    rng = np.random.default_rng(0)
+    embd = rng.standard_normal((269, 64), dtype=np.float32)
+    q2_k = rng.integers(0, 256, size=(64, 84), dtype=np.uint8)
+    q2_k[:, 81] &= 0x3f  # finite f16 scales (bytes 80-83 are d and dmin)
+    q2_k[:, 83] &= 0x3f
+    return {
+        "token_embd.weight": (embd, Q.F32),
+        "blk.0.attn_v.weight": (gguf.quants.quantize(embd[:32], Q.Q8_0), Q.Q8_0),
+        "blk.0.ffn_up.weight": (q2_k, Q.Q2_K),
+        "output_norm.weight": (np.ones(64, np.float32), Q.F32),
+    }
+
+
+def test_reader_reads_what_gguf_py_reads(tmp_path):
+    path = write_gguf(tmp_path / "m.gguf", tensors=_mixed_tensors(), alignment=64)
+    ours, theirs = GGUFFile(path), gguf.GGUFReader(path)
+    assert ours.metadata == {k: f.contents() for k, f in theirs.fields.items() if not k.startswith("GGUF.")}
+    assert len(ours.tensors) == len(theirs.tensors)
+    for mine, ref in zip(ours.tensors, theirs.tensors):
+        assert (mine.name, mine.shape, mine.ggml_type) == (ref.name, tuple(int(d) for d in reversed(ref.shape)),
+                                                            int(ref.tensor_type))
+        assert mine.offset == ref.data_offset and mine.offset % 64 == 0
+        assert np.array_equal(ours.tensor_bytes(mine), np.asarray(ref.data).view(np.uint8).ravel())
+
+
+def test_reader_refuses_files_that_are_not_whole_gguf_files(tmp_path):
+    (tmp_path / "text.gguf").write_text("not a model")
+    with pytest.raises(CheckpointError, match="not the GGUF magic"):
+        GGUFFile(tmp_path / "text.gguf")
+    data = write_gguf(tmp_path / "m.gguf").read_bytes()
+    (tmp_path / "cut.gguf").write_bytes(data[:len(data) // 2])
+    with pytest.raises(CheckpointError, match="runs past the end of the file"):
+        GGUFFile(tmp_path / "cut.gguf")
+    (tmp_path / "head.gguf").write_bytes(data[:1000])
+    with pytest.raises(CheckpointError, match="not readable"):
+        GGUFFile(tmp_path / "head.gguf")
+
+
+def test_open_gguf_parses_a_file_once_until_it_changes(tmp_path):
+    path = write_gguf(tmp_path / "m.gguf")
+    first = open_gguf(path)
+    assert open_gguf(str(path)) is first
+    write_gguf(path, name="edited")
+    assert open_gguf(path) is not first and open_gguf(path).metadata["general.name"] == "edited"
+
+
+@pytest.mark.parametrize(("arch", "name"), [("llama", "tiny"), ("llama", "mistral"), ("qwen2", "tiny")])
+def test_config_is_the_one_transformers_builds(tmp_path, arch, name):
+    from transformers import AutoConfig
+
+    path = write_gguf(tmp_path / "m.gguf", arch=arch, name=name)
+    config, _ = load_gguf(path)
+    reference = AutoConfig.from_pretrained(str(tmp_path), gguf_file="m.gguf")
+    assert type(config) is type(reference)
+    assert config.to_dict() == {**reference.to_dict(), "architectures": config.architectures}
+    assert config.tie_word_embeddings and config.vocab_size == 269
+
+
+def test_weights_are_mapped_or_decoded_by_type(tmp_path, caplog):
+    tensors = _mixed_tensors()
+    path = write_gguf(tmp_path / "m.gguf", tensors=tensors)
+    with caplog.at_level(logging.INFO, logger="ferrollm"):
+        weights = dict(load_gguf(path)[1])
+    assert "['Q2_K'] have no Rust decoder" in caplog.text
+    embd = weights["model.embed_tokens.weight"]
+    # F32 tensors are views of the file's mapping: the same bytes, no copy.
+    assert embd.data_ptr() == open_gguf(path).tensor_bytes(open_gguf(path).tensors[0]).ctypes.data
+    assert torch.equal(embd, torch.from_numpy(tensors["token_embd.weight"][0]))
+    for name, (data, qtype) in [("model.layers.0.self_attn.v_proj.weight", tensors["blk.0.attn_v.weight"]),
+                                ("model.layers.0.mlp.up_proj.weight", tensors["blk.0.ffn_up.weight"])]:
+        np.testing.assert_array_equal(weights[name].numpy(), gguf.quants.dequantize(data, qtype))
+    # Parameters may keep any of them rather than copy (fresh tensors, or the private mapping).
+    assert all(getattr(w, weight_utils._SHAREABLE, False) for w in weights.values())
 
 
 def _smollm2_path() -> Path:

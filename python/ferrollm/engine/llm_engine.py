@@ -305,8 +305,10 @@ def _read_checkpoint(source):
     from ferrollm.model_executor import loader
 
     if source.gguf_file is not None:
-        config, weights = loader.load_gguf(source.gguf_file)
-        return config, lambda: weights
+        # The file is parsed once per process (`gguf_reader.open_gguf`), so the factory's second
+        # `load_gguf` only builds a fresh iterator.
+        config, _ = loader.load_gguf(source.gguf_file)
+        return config, lambda: loader.load_gguf(source.gguf_file)[1]
     from transformers import AutoConfig
 
     try:

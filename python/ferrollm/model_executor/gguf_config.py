@@ -1,0 +1,141 @@
+"""The HF config a GGUF file describes, built from an already parsed file the way transformers
+builds it for ``AutoConfig.from_pretrained(folder, gguf_file=name)``.
+
+transformers parses the file again for that (twice for a Llama file, with gguf-py's reader: ~9 s
+of the constructor on the 2-core development machine). The renaming here uses transformers' own
+tables (``GGUF_CONFIG_MAPPING``, ``GGUF_CONFIG_DEFAULTS_MAPPING``, and, where the installed version
+has them, the per-architecture builders of ``transformers.integrations.gguf``), so configs stay
+the ones transformers builds; ``tests/models/test_gguf.py`` compares the two. Architectures for
+which transformers' loader does more than rename keys (reading tensors, rebuilding rope scaling)
+are handed to transformers whole: slower, but the same config.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from transformers import PretrainedConfig
+
+from ferrollm.exceptions import UnsupportedModelError
+from ferrollm.model_executor.gguf_reader import GGUFFile
+
+__all__ = ["gguf_config", "gguf_config_dict"]
+
+logger = logging.getLogger(__name__)
+
+# Architectures with steps of their own in transformers' `load_gguf_checkpoint` beyond renaming.
+_HANDED_TO_TRANSFORMERS = ("t5", "stablelm", "gpt-oss", "gpt_oss", "minimax-m2", "lfm2")
+# llama.cpp names these differently from transformers' model types.
+_RENAMED_ARCHS = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
+# Architectures whose output projection transformers always ties to the embedding.
+_ALWAYS_TIED = ("falcon", "bloom")
+
+
+def gguf_config(gguf: GGUFFile) -> PretrainedConfig:
+    """The file's config, as ``AutoConfig.from_pretrained(folder, gguf_file=name)`` returns it.
+
+    Raises:
+        UnsupportedModelError: for an architecture transformers cannot read from GGUF.
+    """
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    tensor_names = [t.name for t in gguf.tensors]
+    config_dict = gguf_config_dict(gguf.metadata, tensor_names)
+    if config_dict is None:
+        return _from_transformers(gguf)
+    model_type = config_dict.get("model_type")
+    if model_type == "mistral" and "layer_types" in config_dict:
+        config_dict["model_type"] = model_type = "ministral"  # as AutoConfig.from_pretrained does
+    if model_type not in CONFIG_MAPPING:
+        raise UnsupportedModelError(f"GGUF model type {model_type!r} is unknown to transformers")
+    return CONFIG_MAPPING[model_type].from_dict(config_dict)
+
+
+def gguf_config_dict(metadata: dict[str, Any], tensor_names: Sequence[str]) -> dict[str, Any] | None:
+    """The config dict transformers builds from this metadata, or ``None`` where only
+    transformers' own loader builds it.
+
+    Raises:
+        UnsupportedModelError: for an architecture transformers cannot read from GGUF.
+    """
+    arch = str(metadata["general.architecture"])
+    builders = _config_builders()
+    if arch in builders:
+        return builders[arch](_arrays_as_lengths(metadata), tuple(tensor_names))
+    if any(name in arch for name in _HANDED_TO_TRANSFORMERS):
+        return None
+    return _renamed_config(metadata, tensor_names, arch)
+
+
+def _renamed_config(metadata: dict[str, Any], tensor_names: Sequence[str], arch: str) -> dict[str, Any]:
+    """transformers' generic path (`load_gguf_checkpoint`'s config half): every key whose prefix
+    and name its `GGUF_CONFIG_MAPPING` knows, renamed, plus its defaults and a few fixes."""
+    from transformers.integrations.ggml import GGUF_CONFIG_DEFAULTS_MAPPING, GGUF_CONFIG_MAPPING
+
+    updated = _updated_arch(metadata, arch)
+    if arch not in GGUF_CONFIG_MAPPING and updated not in GGUF_CONFIG_MAPPING:
+        raise UnsupportedModelError(
+            f"GGUF architecture {arch!r} is not one transformers reads; it reads {sorted(GGUF_CONFIG_MAPPING)}")
+    config: dict[str, Any] = {
+        "tie_word_embeddings": "output.weight" not in tensor_names or arch in _ALWAYS_TIED,
+    }
+    defaults = GGUF_CONFIG_DEFAULTS_MAPPING.get(updated, GGUF_CONFIG_DEFAULTS_MAPPING.get(arch) or {})
+    for key, value in defaults.items():
+        config.setdefault(key, value)
+    for key, value in metadata.items():
+        prefix, _, name = key.replace(arch, updated).partition(".")
+        renamed = GGUF_CONFIG_MAPPING.get(prefix, {}).get(name, -1)
+        if renamed in (-1, None):
+            continue
+        # gguf-py hands a one-element array over as its element.
+        if isinstance(value, list) and len(value) == 1:
+            value = value[0]
+        if isinstance(value, str) and arch in value:
+            value = value.replace(arch, updated)
+        config[renamed] = value
+    if config.get("model_type") == "gemma3":
+        config["model_type"] = "gemma3_text"  # the file holds the text backbone only
+    if config.get("model_type") == "gemma4":
+        config["model_type"] = "gemma4_text"
+        config["eos_token_id"] = [1, 106, 50]  # transformers' fix: GGUF stores one of Gemma 4's three
+    if "vocab_size" not in config and "tokenizer.ggml.tokens" in metadata:
+        config["vocab_size"] = len(metadata["tokenizer.ggml.tokens"])
+    return config
+
+
+def _updated_arch(metadata: dict[str, Any], arch: str) -> str:
+    """transformers' model type for llama.cpp's architecture name."""
+    # transformers tests `"mistral" in [general.name]`: a Llama file named exactly "mistral".
+    if "llama" in arch and metadata.get("general.name") == "mistral":
+        return "mistral"
+    for llama_cpp, hf in _RENAMED_ARCHS.items():
+        if llama_cpp in arch:
+            return hf
+    return arch
+
+
+def _config_builders() -> dict[str, Any]:
+    """The per-architecture builders of newer transformers (which read the file's metadata
+    with string arrays left as their lengths); none in older versions."""
+    try:
+        from transformers.integrations.gguf import GGUF_CONFIG_ARCHS
+    except ImportError:
+        return {}
+    return dict(GGUF_CONFIG_ARCHS)
+
+
+def _arrays_as_lengths(metadata: dict[str, Any]) -> dict[str, Any]:
+    """The metadata as transformers' own reader hands it to those builders: arrays of strings
+    (the vocabulary, the merges) as their lengths."""
+    return {key: len(value) if isinstance(value, list) and value and isinstance(value[0], str) else value
+            for key, value in metadata.items()}
+
+
+def _from_transformers(gguf: GGUFFile) -> PretrainedConfig:
+    from transformers import AutoConfig
+
+    logger.info("GGUF architecture %r: config built by transformers' own GGUF loader (parses the file again)",
+                gguf.architecture)
+    return AutoConfig.from_pretrained(str(gguf.path.parent), gguf_file=gguf.path.name)
