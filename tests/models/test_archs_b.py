@@ -36,6 +36,7 @@ from ferrollm.model_executor.layers.activation import get_act_fn
 from ferrollm.model_executor.layers.fused_moe import FusedMoE, fused_moe, select_experts
 from ferrollm.model_executor.layers.rotary import rope_parameters
 from ferrollm.model_executor.loader import get_model, iterate_safetensors
+from ferrollm.model_executor.sharded_state import dense_state_dict
 
 ARCHS = sorted(MORE_CONFIGS)
 MAX_TOKENS = 8
@@ -161,7 +162,8 @@ def load_renamed(folder, rename):
 
 
 def assert_same_parameters(a, b):
-    a_params, b_params = dict(a.named_parameters()), dict(b.named_parameters())
+    # The plain weights, whatever CPU form holds them.
+    a_params, b_params = dense_state_dict(a), dense_state_dict(b)
     assert a_params.keys() == b_params.keys()
     for name, param in a_params.items():
         assert torch.equal(param, b_params[name]), name

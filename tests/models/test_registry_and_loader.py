@@ -10,7 +10,9 @@ import transformers
 from helpers.engine_driver import TINY, build_checkpoint
 
 from ferrollm.exceptions import CheckpointError, ConfigError, UnsupportedModelError
+from ferrollm.model_executor.layers.cpu_weights import cpu_weight_form
 from ferrollm.model_executor.loader import get_model, iterate_safetensors
+from ferrollm.model_executor.sharded_state import dense_state_dict
 from ferrollm.model_executor.models.llama import LlamaForCausalLM
 from ferrollm.model_executor.models.qwen2 import Qwen2ForCausalLM
 from ferrollm.model_executor.registry import ModelRegistry
@@ -115,21 +117,39 @@ def _checkpoint_file(llama_dir) -> str:
     return str((llama_dir / "model.safetensors").resolve())
 
 
-def test_whole_tensors_keep_the_checkpoint_mapping_and_fused_ones_are_copied(llama_dir):
+def _form_tensors(layer) -> list[torch.Tensor]:
+    """The tensors a linear layer's CPU form computes from."""
+    form = layer._cpu
+    return [w for _, _, w in form.parts] if hasattr(form, "parts") else [form.weight]
+
+
+@pytest.mark.parametrize("gemm", ["default", "portable"])
+def test_each_weight_is_held_once_in_the_form_its_products_read(llama_dir, monkeypatch, gemm):
+    if gemm == "portable":
+        monkeypatch.setenv("FERROLLM_CPU_GEMM", "portable")
     model = get_model(config_of(llama_dir), torch.float32, iterate_safetensors(llama_dir))
     layer = model.model.layers[0]
-    assert _mapped_file(layer.mlp.down_proj.weight) == _checkpoint_file(llama_dir)
+    form = cpu_weight_form(torch.device("cpu"), torch.float32)
     assert _mapped_file(layer.input_layernorm.weight) == _checkpoint_file(llama_dir)
-    assert _mapped_file(layer.self_attn.qkv_proj.weight) != _checkpoint_file(llama_dir)
+    for linear in (layer.self_attn.qkv_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+        # The parameter keeps only its shape; the form holds the weight.
+        assert linear.weight.device.type == "meta"
+        files = {_mapped_file(t) for t in _form_tensors(linear)}
+        # Plain rows stay views of the checkpoint's mapping (q/k/v and gate/up too); packed
+        # panels are the only copy.
+        if form == "rows":
+            assert files == {_checkpoint_file(llama_dir)}, files
+        else:
+            assert _checkpoint_file(llama_dir) not in files, (form, files)
     stored = dict(iterate_safetensors(llama_dir))
-    for name, param in model.named_parameters():
+    for name, tensor in dense_state_dict(model).items():
         if name in stored:
-            assert torch.equal(param, stored[name]), name
+            assert torch.equal(tensor, stored[name]), name
 
 
 def test_writes_to_a_shared_weight_stay_in_the_process(llama_dir):
     model = get_model(config_of(llama_dir), torch.float32, iterate_safetensors(llama_dir))
-    name = "model.layers.0.mlp.down_proj.weight"
+    name = "model.layers.0.input_layernorm.weight"
     before = dict(iterate_safetensors(llama_dir))[name].clone()
     with torch.no_grad():
         model.get_parameter(name).fill_(7.0)
@@ -146,7 +166,7 @@ def test_weights_are_copied_when_they_may_not_be_shared(llama_dir, monkeypatch, 
     if how == "switched off":
         monkeypatch.setenv("FERROLLM_SHARE_CHECKPOINT_MEMORY", "0")
     model = get_model(config_of(llama_dir), dtype, weights)
-    down = model.model.layers[0].mlp.down_proj.weight
+    down = model.model.layers[0].mlp.down_proj.dense_weight()
     assert _mapped_file(down) != _checkpoint_file(llama_dir)
     if how == "caller's tensors":
         source = dict(weights)["model.layers.0.mlp.down_proj.weight"]

@@ -17,7 +17,7 @@ from torch import nn
 
 from ferrollm.exceptions import CheckpointError, ConfigError
 
-__all__ = ["DEFAULT_PATTERN", "copy_non_weight_files", "load_rank_state", "save_rank_state",
+__all__ = ["DEFAULT_PATTERN", "copy_non_weight_files", "dense_state_dict", "load_rank_state", "save_rank_state",
            "saved_tensor_parallel_size"]
 
 # Weight files of the source checkpoint, which the sharded files replace.
@@ -27,7 +27,7 @@ DEFAULT_PATTERN = "model-rank-{rank}-part-{part}.safetensors"
 _TP_KEY = "tensor_parallel_size"
 
 
-def _state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+def dense_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """Parameters by name, a tensor shared by several names (tied embeddings) kept once; a layer
     whose weight lives in a CPU form (`cpu_weights`) gives it back in the plain layout."""
     dense = {f"{prefix}.weight" if prefix else "weight": module.dense_weight
@@ -68,7 +68,7 @@ def save_rank_state(model: nn.Module, path: str | Path, rank: int, pattern: str 
     folder.mkdir(parents=True, exist_ok=True)
     parts: list[dict[str, torch.Tensor]] = [{}]
     size = 0
-    for name, tensor in _state_dict(model).items():
+    for name, tensor in dense_state_dict(model).items():
         nbytes = tensor.numel() * tensor.element_size()
         if max_size is not None and parts[-1] and size + nbytes > max_size:
             parts.append({})
@@ -134,7 +134,7 @@ def load_rank_state(model: nn.Module, folder: str | Path, rank: int, world_size:
             f"the sharded checkpoint in {str(folder)!r} was saved with tensor_parallel_size={saved}, "
             f"but this engine runs tensor_parallel_size={world_size}; load it with "
             f"tensor_parallel_size={saved}, or save it again at {world_size}")
-    params = _state_dict(model)
+    params = dense_state_dict(model)
     loaded: set[str] = set()
     for path in _rank_files(folder, pattern or DEFAULT_PATTERN).get(rank, []):
         with safe_open(str(path), framework="pt") as f:

@@ -121,9 +121,9 @@ def _keepable(src: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     src = materialize(src)
     if src.dtype == dtype and src.is_contiguous() and is_shareable(src):
         return src
-    out = src.to(dtype).contiguous()
-    if out.data_ptr() != src.data_ptr():
-        release_pages(src)
+    # A tensor the caller still holds is copied even where the dtype and layout already fit.
+    out = src.to(dtype=dtype, memory_format=torch.contiguous_format, copy=True)
+    release_pages(src)
     return out
 
 
