@@ -98,3 +98,26 @@ def test_a_smaller_max_model_len_lowers_the_peak(mid_llama):
     long = _measure(mid_llama, max_model_len=131072)
     short = _measure(mid_llama, max_model_len=512)
     assert short["peak"] < long["peak"] - 32 * MIB, (short, long)
+
+
+def test_start_up_logs_its_phases_and_the_memory_it_holds(tiny_llama, caplog, monkeypatch):
+    import logging
+
+    from ferrollm import LLM
+
+    monkeypatch.setenv("FERROLLM_CPU_KVCACHE_SPACE", "0.01")
+    logger = logging.getLogger("ferrollm")
+    logger.addHandler(caplog.handler)  # the ferrollm logger does not propagate to the root
+    try:
+        with caplog.at_level(logging.INFO, logger="ferrollm"), LLM(model=str(tiny_llama[0]), max_num_seqs=4):
+            pass
+    finally:
+        logger.removeHandler(caplog.handler)
+    lines = [r.getMessage() for r in caplog.records]
+    startup = next(line for line in lines if line.startswith("start-up took"))
+    assert all(phase in startup for phase in ("config", "tokenizer", "weights", "KV cache")), startup
+    memory = next(line for line in lines if line.startswith("memory: weights"))
+    assert "MiB of them mapped from the checkpoint file" in memory and "max_num_seqs=4" in memory, memory
+    # The cache is the 0.01 GiB asked for, never more.
+    kv_mib = float(memory.split("KV cache ")[1].split(" MiB")[0])
+    assert kv_mib <= 0.01 * 1024, memory

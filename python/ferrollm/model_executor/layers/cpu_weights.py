@@ -111,8 +111,8 @@ class RowBlocks:
         at = 0
         for first, block in blocks:
             if first != at:
-                raise CheckpointError(f"weight rows {min(first, at)}..{max(first, at)} of "
-                                      f"{self.out_features} are loaded {'twice' if first < at else 'never'}")
+                how = "loaded twice" if first < at else "missing from the checkpoint"
+                raise CheckpointError(f"weight rows {min(first, at)}..{max(first, at)} of {self.out_features} are {how}")
             at += block.shape[0]
         return blocks
 
