@@ -1,8 +1,10 @@
-"""Shared fixtures: a tokenizer trained at test time and a deterministic model runner."""
+"""Shared fixtures: a tokenizer trained at test time and a deterministic model runner; ferrollm's
+caches (the converted tokenizers of GGUF models) go to a temporary folder, never the user's."""
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -43,6 +45,17 @@ def build_tokenizer_dir(path: Path) -> Path:
         json.dumps({"bos_token": "<s>", "eos_token": {"content": "</s>"}})
     )
     return path
+
+
+@pytest.fixture(scope="session", autouse=True)
+def ferrollm_cache_root(tmp_path_factory: pytest.TempPathFactory):
+    saved = os.environ.get("FERROLLM_CACHE_ROOT")
+    os.environ["FERROLLM_CACHE_ROOT"] = str(tmp_path_factory.mktemp("ferrollm-cache"))
+    yield
+    if saved is None:
+        del os.environ["FERROLLM_CACHE_ROOT"]
+    else:
+        os.environ["FERROLLM_CACHE_ROOT"] = saved
 
 
 @pytest.fixture(scope="session")

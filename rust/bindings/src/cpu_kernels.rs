@@ -8,7 +8,9 @@
 
 use ferrollm_kernels::attention::{paged_decode, DecodeInputs, DecodeOptions, DecodeShape};
 use ferrollm_kernels::cache::{write_kv, CacheWriteShape};
-use ferrollm_kernels::gemm::{gemm, gemm_silu_mul, pack_weight_rows, packed_len, vectorized, GemmShape, RowBlock};
+use ferrollm_kernels::gemm::{
+    gemm, gemm_silu_mul, pack_weight_rows, packed_len, vectorized, GemmShape, RowBlock,
+};
 use ferrollm_kernels::gemv::{gemv, GemvShape};
 use ferrollm_kernels::norm::{fused_add_rms_norm, rms_norm, RmsNormWeight};
 use ferrollm_kernels::prefill::{self, paged_prefill, PrefillInputs, PrefillOptions, PrefillShape};
@@ -122,7 +124,8 @@ pub fn cpu_gemm_pack(
     // SAFETY: see the module doc; `packed` is the layer's own buffer, written by one call at a time.
     let (weight, packed) = unsafe { (view::<f32>(weight), view_mut::<f32>(packed)) };
     let block = RowBlock { first: first_row, rows, stride };
-    py.detach(|| pack_weight_rows(weight, block, packed, out_features, in_features, threads)).map_err(kernel_error)
+    py.detach(|| pack_weight_rows(weight, block, packed, out_features, in_features, threads))
+        .map_err(kernel_error)
 }
 
 /// `out[rows, out_features] = x[rows, in_features] · weightᵀ + bias` in fp32, the weight packed

@@ -59,10 +59,6 @@ impl Panels {
         self.padded * self.in_features
     }
 
-    fn count(&self) -> usize {
-        self.padded.div_ceil(PANEL_WIDTH)
-    }
-
     /// Columns of panel `panel`: [`PANEL_WIDTH`] but for the last.
     fn width(&self, panel: usize) -> usize {
         (self.padded - panel * PANEL_WIDTH).min(PANEL_WIDTH)
@@ -165,7 +161,12 @@ pub fn pack_weight_rows(
     Ok(())
 }
 
-fn check_block(src_len: usize, block: RowBlock, out_features: usize, in_features: usize) -> Result<(), KernelError> {
+fn check_block(
+    src_len: usize,
+    block: RowBlock,
+    out_features: usize,
+    in_features: usize,
+) -> Result<(), KernelError> {
     let RowBlock { first, rows, stride } = block;
     if first + rows > out_features {
         let limit = format!("<= out_features - rows ({out_features} - {rows})");
@@ -377,7 +378,7 @@ mod tests {
         let w = values(n * k, 1);
         let p = packed(&w, n, k);
         let panels = Panels::new(n, k);
-        assert_eq!((p.len(), panels.count(), panels.width(2)), (112 * 7, 3, 16));
+        assert_eq!((p.len(), panels.padded.div_ceil(PANEL_WIDTH), panels.width(2)), (112 * 7, 3, 16));
         for col in 0..n {
             for kk in 0..k {
                 assert_eq!(p[panels.index(col, kk)], w[col * k + kk]);
