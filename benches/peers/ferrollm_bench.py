@@ -39,7 +39,10 @@ def main() -> None:
     p = parser(__doc__)
     p.add_argument("--dtype", default="auto", help="ferrollm's `dtype` (auto: fp32 on the CPU)")
     args = p.parse_args()
+    # Imported before the clock starts, as the other drivers import torch/transformers and
+    # llama_cpp: start-up is the constructor to the first token.
     import ferrollm
+    from ferrollm import LLM  # noqa: F401  (imports torch)
 
     run("ferrollm", lambda: FerrollmEngine(args), args, {"version": ferrollm.__version__, "dtype": args.dtype})
 

@@ -130,6 +130,9 @@ class LLMEngine:
             torch.manual_seed(args.seed)
         device = _device(args.device)
         clock = StartupClock()
+        with clock.phase("importing torch and transformers"):
+            # `import ferrollm` stays light; the first engine pays for these (~1.4 s here).
+            import transformers.configuration_utils  # noqa: F401
         with clock.phase("config"):
             source = resolve_model_source(args.model, args.revision)
             hf_config, weights = _read_checkpoint(source)
