@@ -9,13 +9,16 @@ import logging
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
-from transformers import PretrainedConfig
 
 from ferrollm.model_executor.layers.cpu_gemm import MLP_SLAB_ROWS
 from ferrollm.model_executor.layers.cpu_weights import checkpoint_mappings
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 __all__ = ["StartupClock", "activation_workspace_bytes", "log_memory", "model_weight_bytes"]
 
