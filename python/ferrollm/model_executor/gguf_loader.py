@@ -25,6 +25,7 @@ from ferrollm.exceptions import CheckpointError, UnsupportedModelError
 from ferrollm.model_executor.gguf_config import gguf_config
 from ferrollm.model_executor.gguf_reader import GGUFFile, GGUFTensorInfo, open_gguf
 from ferrollm.model_executor.registry import ModelRegistry
+from ferrollm.model_executor.layers.cpu_weights import release_pages
 from ferrollm.model_executor.weight_utils import shareable
 
 __all__ = ["gguf_to_hf_name", "load_gguf"]
@@ -143,8 +144,12 @@ def _read_tensor(gguf: GGUFFile, info: GGUFTensorInfo) -> torch.Tensor:
     if info.ggml_type == _GGML_F32:
         return torch.from_numpy(data.view(np.float32).reshape(info.shape))
     if dequantize_supported(info.ggml_type):
-        return dequantize(data, info.ggml_type, info.shape)
-    return torch.from_numpy(_numpy_dequantize(data, info))
+        weight = dequantize(data, info.ggml_type, info.shape)
+    else:
+        weight = torch.from_numpy(_numpy_dequantize(data, info))
+    # The decoded copy is the one kept: hand back the file pages the decoding read.
+    release_pages(torch.from_numpy(data))
+    return weight
 
 
 def _numpy_dequantize(data: np.ndarray, info: GGUFTensorInfo) -> np.ndarray:
