@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from ferrollm import cpu_kernels
+from ferrollm.kernels import cpu as cpu_kernels
 from ferrollm.worker.cpu_allocator import keep_freed_memory
 
 LAYER_SHAPES = [(1152, 896), (896, 896), (9728, 896), (896, 4864)]

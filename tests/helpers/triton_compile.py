@@ -67,7 +67,7 @@ def compile_launch(fn: JITFunction, args: tuple, kwargs: dict, sm: int):
 
 def kernel_calls():
     """One call per kernel configuration the engine uses, on CPU tensors of real model shapes."""
-    from ferrollm import kernels as k
+    from ferrollm.kernels import triton as k
 
     def t(*shape, dtype=torch.bfloat16):
         return torch.zeros(*shape, dtype=dtype)

@@ -1,6 +1,6 @@
 """Runs the Triton kernels on the CPU through Triton's interpreter.
 
-Import this before anything that imports ``ferrollm.kernels``: ``triton.jit`` reads
+Import this before anything that imports ``ferrollm.kernels.triton``: ``triton.jit`` reads
 ``TRITON_INTERPRET`` when a kernel is defined, not when it runs.
 
 The interpreter does not support bfloat16 arithmetic: it keeps bfloat16 tensors as their uint16

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ferrollm import cpu_kernels
+from ferrollm.kernels import cpu as cpu_kernels
 from ferrollm.attention import cpu_backend
 from ferrollm.attention.backend import AttentionMetadata
 from ferrollm.exceptions import KernelError

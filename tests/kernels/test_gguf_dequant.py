@@ -8,7 +8,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
 from ferrollm.exceptions import KernelError
-from ferrollm.gguf_kernels import dequantize, dequantize_supported
+from ferrollm.kernels.cpu.gguf import dequantize, dequantize_supported
 
 Q = GGMLQuantizationType
 # Enough blocks that torch's team splits them (the kernel keeps 2048 blocks per thread or more).

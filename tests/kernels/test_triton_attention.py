@@ -3,13 +3,13 @@ against their torch references (the CPU backend) and the dense float64 reference
 
 from __future__ import annotations
 
-import helpers.triton_interpret  # noqa: F401  (must come before ferrollm.kernels)
+import helpers.triton_interpret  # noqa: F401  (must come before ferrollm.kernels.triton)
 import pytest
 import torch
 from helpers.paged_cases import CASES, build_case, dense_reference
 
 from ferrollm.attention.backend import AttentionMetadata
-from ferrollm.kernels import (
+from ferrollm.kernels.triton import (
     paged_attention_decode,
     paged_attention_decode_ref,
     paged_attention_prefill,

@@ -4,7 +4,7 @@ Triton's interpreter on the CPU)."""
 
 from __future__ import annotations
 
-import helpers.triton_interpret  # noqa: F401  (must come before ferrollm.kernels)
+import helpers.triton_interpret  # noqa: F401  (must come before ferrollm.kernels.triton)
 import numpy as np
 import pytest
 import torch

@@ -14,7 +14,7 @@ from triton import knobs
 
 from ferrollm.attention import cpu_backend, triton_backend
 from ferrollm.attention.backend import AttentionMetadata
-from ferrollm.kernels import (
+from ferrollm.kernels.triton import (
     fused_add_rms_norm,
     fused_add_rms_norm_ref,
     rms_norm,

@@ -3,11 +3,11 @@ against their torch references and the model layers they stand in for."""
 
 from __future__ import annotations
 
-import helpers.triton_interpret  # noqa: F401  (must come before ferrollm.kernels)
+import helpers.triton_interpret  # noqa: F401  (must come before ferrollm.kernels.triton)
 import pytest
 import torch
 
-from ferrollm.kernels import (
+from ferrollm.kernels.triton import (
     fused_add_rms_norm,
     fused_add_rms_norm_ref,
     rms_norm,

@@ -1,11 +1,12 @@
-"""The Rust CPU kernels (`ferrollm.cpu_kernels`): the streaming GEMV against F.linear, on torch's
+"""The Rust CPU kernels (`ferrollm.kernels.cpu`): the streaming GEMV against F.linear, on torch's
 OpenMP team, and the cases it leaves to torch."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from ferrollm import _core, cpu_kernels
+from ferrollm import _core
+from ferrollm.kernels import cpu as cpu_kernels
 from ferrollm.exceptions import KernelError
 from ferrollm.model_executor.layers.cpu_weights import dense_linear
 

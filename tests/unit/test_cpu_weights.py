@@ -6,7 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ferrollm import _core, cpu_kernels
+from ferrollm import _core
+from ferrollm.kernels import cpu as cpu_kernels
 from ferrollm.exceptions import CheckpointError, KernelError
 from ferrollm.model_executor.layers.cpu_gemm import MLP_SLAB_ROWS, row_slabs
 from ferrollm.model_executor.layers.cpu_weights import (

@@ -3,13 +3,13 @@ against.
 
 Each request's keys and values are read through its block table, so requests never see each
 other's context. Decode rows (one query token) of a step are done together. On the CPU, for fp32
-and bf16, the Rust kernel (`ferrollm.cpu_kernels.paged_decode`) reads each row's blocks where
+and bf16, the Rust kernel (`ferrollm.kernels.cpu.paged_decode`) reads each row's blocks where
 they lie; otherwise (and as that kernel's reference, `_decode_torch`) their blocks are gathered
 into ``[num_decodes, max_seq_len, num_kv_heads, head_dim]``, padding is masked by ``seq_lens``,
 and one batched call does the work. Prefill chunks, a few per step, run one
 request at a time to avoid padding every query to the longest chunk; on CPUs with AVX-512 (fp32
 and bf16, head sizes a multiple of 64, no soft-capping) the Rust kernel
-(`ferrollm.cpu_kernels.paged_prefill`) does each in place, ~3x torch's fused attention on a
+(`ferrollm.kernels.cpu.paged_prefill`) does each in place, ~3x torch's fused attention on a
 Qwen2-0.5B prompt, else (and as its reference, `_prefill_torch`) the blocks are gathered.
 
 The work goes to torch's fused CPU attention (`scaled_dot_product_attention`): on the
@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ferrollm import cpu_kernels
+from ferrollm.kernels import cpu as cpu_kernels
 from ferrollm.attention.backend import AttentionMetadata
 
 __all__ = ["NAME", "write_kv", "paged_attention"]

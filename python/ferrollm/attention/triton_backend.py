@@ -1,5 +1,5 @@
 """The GPU attention backend: the same two calls as :mod:`ferrollm.attention.cpu_backend`, done by
-the Triton kernels in :mod:`ferrollm.kernels`.
+the Triton kernels in :mod:`ferrollm.kernels.triton`.
 
 A decode-only step (every request has one query token) runs the decode kernel; any other step
 runs the prefill kernel over all its requests, decode rows included, so a step is one launch and
@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ferrollm.attention.backend import AttentionMetadata
-from ferrollm.kernels import paged_attention_decode, paged_attention_prefill, reshape_and_cache
+from ferrollm.kernels.triton import paged_attention_decode, paged_attention_prefill, reshape_and_cache
 
 __all__ = ["NAME", "write_kv", "paged_attention"]
 

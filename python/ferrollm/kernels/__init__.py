@@ -1,34 +1,10 @@
-"""Triton kernels for the GPU hot path, each beside the torch reference it is tested against.
+"""ferrollm's kernels, one home for both devices:
 
-Importing this package needs Triton (shipped with CUDA builds of torch); nothing outside the
-Triton attention backend imports it, so CPU-only installs never do. The tests run every kernel on
-the CPU with ``TRITON_INTERPRET=1``.
+- :mod:`ferrollm.kernels.cpu`: the Rust CPU kernels (``rust/kernels``) on torch tensors: the
+  GEMM and GEMV, paged attention, norms, rotary, activations; :mod:`ferrollm.kernels.cpu.gguf`, the
+  GGUF block decoders;
+- :mod:`ferrollm.kernels.triton`: the Triton kernels of the GPU path, each beside the torch
+  reference it is tested against.
+
+This package imports neither: the CPU part needs the native module, the Triton part needs Triton.
 """
-
-from ferrollm.kernels.activation import silu_and_mul, silu_and_mul_ref
-from ferrollm.kernels.attention import (
-    paged_attention_decode,
-    paged_attention_decode_ref,
-    paged_attention_prefill,
-    paged_attention_prefill_ref,
-)
-from ferrollm.kernels.cache import reshape_and_cache, reshape_and_cache_ref
-from ferrollm.kernels.norm import fused_add_rms_norm, fused_add_rms_norm_ref, rms_norm, rms_norm_ref
-from ferrollm.kernels.rotary import rotary_embedding, rotary_embedding_ref
-
-__all__ = [
-    "fused_add_rms_norm",
-    "fused_add_rms_norm_ref",
-    "paged_attention_decode",
-    "paged_attention_decode_ref",
-    "paged_attention_prefill",
-    "paged_attention_prefill_ref",
-    "reshape_and_cache",
-    "reshape_and_cache_ref",
-    "rms_norm",
-    "rms_norm_ref",
-    "rotary_embedding",
-    "rotary_embedding_ref",
-    "silu_and_mul",
-    "silu_and_mul_ref",
-]

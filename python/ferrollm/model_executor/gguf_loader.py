@@ -3,7 +3,7 @@ tensors, in the order ``load_weights`` consumes them.
 
 The file is parsed once per process (`gguf_reader`, cached), the config is built from that parse
 with transformers' tables (`gguf_config`), and the tensors are decoded by the Rust block decoders
-(`ferrollm.gguf_kernels`). Measured on the 2-core development machine for the 94 MiB Q4_1
+(`ferrollm.kernels.cpu.gguf`). Measured on the 2-core development machine for the 94 MiB Q4_1
 SmolLM2-135M file: the parse ~0.1 s, the config a few ms (plus ~1.3 s importing transformers'
 Llama config, as for any checkpoint), the dequantization 0.15-0.35 s, most of it first touches of
 the 513 MiB of float32 weights. Before, transformers and gguf-py parsed the file three times here
@@ -114,7 +114,7 @@ def gguf_to_hf_name(name: str) -> str | None:
 
 
 def _iterate_gguf(gguf: GGUFFile, config: PretrainedConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    from ferrollm.gguf_kernels import dequantize_supported
+    from ferrollm.kernels.cpu.gguf import dequantize_supported
 
     slow = sorted({_type_name(t.ggml_type) for t in gguf.tensors
                    if t.ggml_type != _GGML_F32 and not dequantize_supported(t.ggml_type)})
@@ -138,7 +138,7 @@ def _iterate_gguf(gguf: GGUFFile, config: PretrainedConfig) -> Iterator[tuple[st
 
 def _read_tensor(gguf: GGUFFile, info: GGUFTensorInfo) -> torch.Tensor:
     """One tensor as float32: a view of the mapping for F32, else decoded."""
-    from ferrollm.gguf_kernels import dequantize, dequantize_supported
+    from ferrollm.kernels.cpu.gguf import dequantize, dequantize_supported
 
     data = gguf.tensor_bytes(info)
     if info.ggml_type == _GGML_F32:

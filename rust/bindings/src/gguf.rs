@@ -2,7 +2,7 @@
 //!
 //! Buffers cross as `(address, length)` pairs, as in `cpu_kernels`: `data` is a tensor's bytes
 //! (usually a view of the memory-mapped file), `out` a contiguous float32 or bfloat16 tensor the
-//! caller has just allocated. The one caller is `ferrollm.gguf_kernels`.
+//! caller has just allocated. The one caller is `ferrollm.kernels.cpu.gguf`.
 
 use ferrollm_kernels::quant::{dequantize, GgmlType};
 use ferrollm_kernels::{Bf16, Element};

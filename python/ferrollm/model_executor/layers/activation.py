@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ferrollm import cpu_kernels
+from ferrollm.kernels import cpu as cpu_kernels
 from ferrollm.exceptions import UnsupportedModelError
 
 __all__ = ["GeluAndMul", "QuickGELU", "SiluAndMul", "get_act_and_mul", "get_act_fn"]

@@ -33,7 +33,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from ferrollm import cpu_kernels
+from ferrollm.kernels import cpu as cpu_kernels
 from ferrollm.exceptions import CheckpointError
 from ferrollm.model_executor.weight_utils import is_shareable, materialize
 

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ferrollm import cpu_kernels
+from ferrollm.kernels import cpu as cpu_kernels
 
 __all__ = ["GemmaRMSNorm", "LayerNorm", "RMSNorm"]
 
@@ -51,7 +51,7 @@ class RMSNorm(nn.Module):
         return out if residual is None else (out, residual)
 
     def _normalize_cpu(self, x: torch.Tensor, residual: torch.Tensor | None):
-        """`forward` in one pass of the Rust kernel (`ferrollm.cpu_kernels`)."""
+        """`forward` in one pass of the Rust kernel (`ferrollm.kernels.cpu`)."""
         if residual is None:
             return cpu_kernels.rms_norm(x, self.weight, self.variance_epsilon, self._gemma)
         return cpu_kernels.fused_add_rms_norm(x, residual, self.weight, self.variance_epsilon, self._gemma)

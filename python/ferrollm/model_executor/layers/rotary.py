@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ferrollm import cpu_kernels
+from ferrollm.kernels import cpu as cpu_kernels
 from ferrollm.exceptions import UnsupportedModelError
 
 __all__ = ["RotaryEmbedding", "get_rope", "rope_parameters"]

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from ferrollm import _core
-from ferrollm.cpu_kernels import _threads
+from ferrollm.kernels.cpu import _threads
 from ferrollm.exceptions import KernelError
 
 __all__ = ["dequantize", "dequantize_supported"]

@@ -37,7 +37,7 @@ __all__ = ["GEMV_MAX_ROWS", "fused_add_rms_norm", "gemm", "gemm_pack", "gemm_pac
            "supports", "write_kv", "write_kv_supported"]
 
 # The kernel's limit (`gemv::MAX_ROWS`): from three rows on, oneDNN's blocked GEMM is as fast.
-# Where ferrollm's GEMM packed the weight it takes two rows too (see `cpu_gemm.linear`).
+# Where ferrollm's GEMM packed the weight it takes two rows too (see `cpu_weights.PackedWeight`).
 GEMV_MAX_ROWS = 2
 
 _NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ferrollm.kernels._utils import check_last_dim_contiguous
+from ferrollm.kernels.triton._utils import check_last_dim_contiguous
 
 __all__ = ["fused_add_rms_norm", "fused_add_rms_norm_ref", "rms_norm", "rms_norm_ref"]
 

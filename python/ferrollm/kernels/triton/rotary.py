@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ferrollm.kernels._utils import check_last_dim_contiguous
+from ferrollm.kernels.triton._utils import check_last_dim_contiguous
 
 __all__ = ["rotary_embedding", "rotary_embedding_ref"]
 

@@ -26,7 +26,7 @@ import triton.language as tl
 
 from ferrollm.attention import cpu_backend
 from ferrollm.attention.backend import AttentionMetadata
-from ferrollm.kernels._utils import check_last_dim_contiguous
+from ferrollm.kernels.triton._utils import check_last_dim_contiguous
 
 __all__ = [
     "paged_attention_decode",

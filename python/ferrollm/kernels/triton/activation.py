@@ -7,7 +7,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ferrollm.kernels._utils import check_last_dim_contiguous
+from ferrollm.kernels.triton._utils import check_last_dim_contiguous
 
 __all__ = ["silu_and_mul", "silu_and_mul_ref"]
 

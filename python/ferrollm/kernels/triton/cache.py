@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ferrollm.kernels._utils import check_last_dim_contiguous
+from ferrollm.kernels.triton._utils import check_last_dim_contiguous
 
 __all__ = ["reshape_and_cache", "reshape_and_cache_ref"]
 
