@@ -44,6 +44,16 @@ class Engine(Protocol):
     def generate(self, requests: list[Request]) -> list[int]: ...
 
 
+def generate_offline(llm, sampling_params_cls, requests: list[Request], temperature: float) -> list[int]:
+    """Runs ``requests`` through a vLLM-style ``LLM.generate`` (vLLM's or ferrollm's, which take the
+    same arguments): token-id prompts, EOS ignored; returns each request's output length."""
+    prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
+    params = [sampling_params_cls(temperature=temperature, top_p=1.0, ignore_eos=True, max_tokens=r.output_len)
+              for r in requests]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return [len(o.outputs[0].token_ids) for o in outs]
+
+
 def parser(description: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--model", required=True, help="checkpoint folder (or GGUF file for llama.cpp)")

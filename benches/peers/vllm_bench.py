@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import Request, parser, run  # noqa: E402
+from common import Request, generate_offline, parser, run  # noqa: E402
 
 
 class VllmEngine:
@@ -28,11 +28,7 @@ class VllmEngine:
     def generate(self, requests: list[Request]) -> list[int]:
         from vllm import SamplingParams
 
-        prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
-        params = [SamplingParams(temperature=self.temperature, top_p=1.0, ignore_eos=True, max_tokens=r.output_len)
-                  for r in requests]
-        outs = self.llm.generate(prompts, params, use_tqdm=False)
-        return [len(o.outputs[0].token_ids) for o in outs]
+        return generate_offline(self.llm, SamplingParams, requests, self.temperature)
 
 
 def main() -> None:
