@@ -6,16 +6,16 @@ picks it once per model, before loading):
 - ``"packed"``, fp32 where ferrollm's GEMM runs (AVX-512): `PackedWeight`, the GEMM's panels,
   packed straight from each checkpoint tensor (q, k, v; gate, up; a rank's slice) as it arrives.
   No merged or dense copy is made, and the file pages the packing read are handed back.
-- ``"rows"``, elsewhere in fp32 and bf16: `DenseRows`, the weight's row blocks as the checkpoint
-  holds them. Where the dtype matches they are views of the file's mapping, so loading copies
-  nothing, the pages come from the page cache (shared with other processes and the other TP
-  ranks) and only the rows an embedding looks up are ever read. Products take the streaming
-  GEMV for one or two rows, else oneDNN's `_linear_pointwise` on the plain weight. On the 2-core AVX2 development machine (fp32, 2 threads, 24 cold weights cycled) the
-  plain weight was as fast as oneDNN's blocked copy of it from 1 to 128 rows (a [9728, 896]
-  gate/up: 2.2 against 2.3 ms at 4 rows, 5.2 against 5.2 at 32, 16.5 against 16.1 at 128), so
-  the blocked copy, which doubled the weights, is gone. Copying the 0.94 GB of merged q/k/v and
-  gate/up weights into fresh memory took 2.2 s of start-up on that VM: gate/up now stay views,
-  and only q/k/v (not adjacent in the file) are merged into a copy.
+- ``"rows"``, elsewhere in fp32 and bf16: `DenseRows`, the plain ``[out, in]`` weight. Where the
+  dtype matches and the file holds the rows back to back (a whole tensor, gate/up) it is a view of
+  the file's mapping, so loading copies nothing, the pages come from the page cache (shared with
+  other processes and the other TP ranks) and only the rows an embedding looks up are ever read;
+  q/k/v are merged into one copy. Products take the streaming GEMV for one or two rows, else
+  oneDNN's `_linear_pointwise` on the plain weight. On the 2-core AVX2 development machine (fp32,
+  2 threads, 24 cold weights cycled) the plain weight was as fast as oneDNN's blocked copy of it
+  from 1 to 128 rows (a [9728, 896] gate/up: 2.2 against 2.3 ms at 4 rows, 5.2 against 5.2 at 32,
+  16.5 against 16.1 at 128), so the blocked copy, which doubled the weights, is gone. Copying the
+  0.94 GB of merged q/k/v and gate/up weights into fresh memory took 2.2 s of start-up on that VM.
 - ``"onednn"``, bf16 where oneDNN runs it natively (AVX512-BF16, AMX): `OneDnnWeight`, the dense
   weight and oneDNN's blocked copy, as before; bf16 through ferrollm's own kernels is still open.
 
@@ -183,12 +183,10 @@ class OneDnnWeight:
         self.dtype = self.weight.dtype
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if x.dim() != 2 or x.shape[0] == 0 or x.dtype != self.dtype:
-            return F.linear(x, self.weight, bias)
-        if cpu_kernels.gemv_supported(x, self.weight):
-            return cpu_kernels.gemv(x, self.weight, bias)
-        weight = self.weight if x.shape[0] == 1 else self.blocked
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none", [], "")
+        if (x.dim() == 2 and x.shape[0] > 1 and x.dtype == self.dtype
+                and not cpu_kernels.gemv_supported(x, self.weight)):
+            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.blocked, bias, "none", [], "")
+        return dense_linear(x, self.weight, bias)
 
     def dense(self) -> torch.Tensor:
         return self.weight

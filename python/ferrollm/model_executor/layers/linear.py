@@ -122,10 +122,8 @@ class LinearBase(nn.Module):
     def finish_cpu_weight(self, form: str | None) -> None:
         """Builds the CPU form from ``weight`` where the loaders did not (tests, sharded state)."""
         if form is not None and self._cpu is None:
-            self._rows = RowBlocks(*self.weight.shape, self.weight.dtype)
-            self._form = form
-            self._rows.add(0, self.weight.detach(), "weight")
-            self._build_cpu_weight()
+            self.begin_cpu_weight(form)
+            self._load_rows(self.weight, 0, self.weight.detach(), "weight")
 
     def _load_rows(self, param: nn.Parameter, first_row: int, src: torch.Tensor, what: str) -> None:
         """Rows ``first_row ..`` of ``param`` from ``src``: to the CPU form's collection where one
