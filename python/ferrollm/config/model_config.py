@@ -99,6 +99,7 @@ class ModelConfig:
         pooler: the resolved pooler of a pooling model, else None.
         do_lower_case: lower-case text prompts before tokenizing (sentence-transformers'
             ``do_lower_case``).
+        quant_config: the weights' quantization (`resolve_quantization`), None for float weights.
     """
 
     source: ModelSource
@@ -110,6 +111,7 @@ class ModelConfig:
     convert_type: str = "none"
     pooler: PoolingModelConfig | None = None
     do_lower_case: bool = False
+    quant_config: Any = None
 
     @property
     def is_pooling(self) -> bool:
@@ -127,14 +129,15 @@ def build_model_config(
     runner: str = "auto",
     convert: str = "auto",
     pooler_config: Any = None,
+    quantization: str | None = None,
 ) -> ModelConfig:
     """Applies overrides, resolves the architecture and the runner, and checks `max_model_len`
     against the model.
 
     Raises:
         ConfigError: an unknown architecture (naming it, the supported list and `hf_overrides`),
-            an unknown dtype, runner or convert option, or a `max_model_len` above what the
-            model supports.
+            an unknown dtype, runner or convert option, a `max_model_len` above what the
+            model supports, or a `quantization` the checkpoint does not allow.
     """
     from ferrollm.model_executor.registry import ModelRegistry
 
@@ -169,5 +172,8 @@ def build_model_config(
             f"in its config, or max_seq_length in sentence_bert_config.json). Given: {max_model_len}"
         )
     resolved = resolve_dtype(dtype, getattr(hf_config, "dtype", None), device)
+    from ferrollm.model_executor.layers.quantization import resolve_quantization
+
+    quant_config = resolve_quantization(hf_config, quantization, is_gguf=source.gguf_file is not None)
     return ModelConfig(source, hf_config, architecture, resolved, max_model_len, runner_type, convert_type,
-                       pooler, bool(encoder_config.get("do_lower_case", False)))
+                       pooler, bool(encoder_config.get("do_lower_case", False)), quant_config)

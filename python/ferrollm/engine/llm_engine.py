@@ -71,6 +71,7 @@ class EngineArgs:
     generation_config: str = "auto"
     override_generation_config: dict[str, Any] | None = None
     compilation_config: CompilationConfig | dict[str, Any] | int | None = None
+    quantization: str | None = None
 
     def validate(self) -> None:
         self.compilation_config = CompilationConfig.from_value(self.compilation_config)
@@ -140,7 +141,7 @@ class LLMEngine:
             model_config = build_model_config(
                 source, hf_config, hf_overrides=args.hf_overrides, dtype=args.dtype,
                 max_model_len=args.max_model_len, device=device, runner=args.runner, convert=args.convert,
-                pooler_config=args.pooler_config,
+                pooler_config=args.pooler_config, quantization=args.quantization,
             )
         with clock.phase("tokenizer"):
             tokenizers = load_tokenizers(source, args.tokenizer, args.revision)
@@ -151,7 +152,8 @@ class LLMEngine:
             from ferrollm.model_executor.loader import get_model
 
             with clock.phase("weights"):
-                model = get_model(model_config.hf_config, model_config.dtype, weights(), device=device)
+                model = get_model(model_config.hf_config, model_config.dtype, weights(), device=device,
+                                  quant_config=model_config.quant_config)
             core, runner = _build_pooling_core(args, model_config, model, tokenizers, device)
             clock.log()
             return cls(args, model_config, tokenizers, core, runner)

@@ -46,6 +46,12 @@ class LLM(PoolingMixin):
         enforce_eager: never capture CUDA graphs (GPU only).
         compilation_config: a `CompilationConfig`, a dict of its fields or an int level, as vLLM
             takes it; decides the CUDA-graph capture sizes (no torch.compile runs).
+        quantization: the weights' quantization method. None reads it from the checkpoint
+            (``quantization_config`` in config.json: compressed-tensors, gptq, awq, fp8; or a
+            GGUF file). Naming the checkpoint's own method is accepted (``gptq_marlin`` and
+            ``awq_marlin`` too); on a float checkpoint "fp8" (vLLM's dynamic FP8), "int8"
+            (dynamic W8A8) and "rtn" (int8/int4 weight-only, `RTN_NUM_BITS`,
+            `RTN_GROUP_SIZE`) quantize the weights as they load.
         tensor_parallel_size: ranks to shard the model over. Ranks beyond the first run in
             spawned processes on this machine (GPU i of CUDA_VISIBLE_DEVICES for rank i, or an
             even share of the CPU cores each); build the LLM under ``if __name__ == "__main__":``.
@@ -92,6 +98,7 @@ class LLM(PoolingMixin):
         generation_config: str = "auto",
         override_generation_config: dict[str, Any] | None = None,
         compilation_config: CompilationConfig | dict[str, Any] | int | None = None,
+        quantization: str | None = None,
     ) -> None:
         args = EngineArgs(
             model=str(model), tokenizer=tokenizer, revision=revision, dtype=dtype, seed=seed,
@@ -103,7 +110,7 @@ class LLM(PoolingMixin):
             distributed_executor_backend=distributed_executor_backend, load_format=load_format,
             runner=runner, convert=convert, pooler_config=pooler_config,
             generation_config=generation_config, override_generation_config=override_generation_config,
-            compilation_config=compilation_config,
+            compilation_config=compilation_config, quantization=quantization,
         )
         self.llm_engine: LLMEngine | None = LLMEngine.from_args(args)
         self._request_counter = itertools.count()

@@ -26,6 +26,8 @@ from ferrollm.model_executor.gguf_config import gguf_config
 from ferrollm.model_executor.gguf_reader import GGUFFile, GGUFTensorInfo, open_gguf
 from ferrollm.model_executor.registry import ModelRegistry
 from ferrollm.model_executor.layers.cpu_weights import release_pages
+from ferrollm.model_executor.layers.quantization.gguf import GGUFConfig
+from ferrollm.model_executor.layers.quantization.qweights import GGUFWeight
 from ferrollm.model_executor.weight_utils import shareable
 
 __all__ = ["gguf_to_hf_name", "load_gguf"]
@@ -35,7 +37,8 @@ logger = logging.getLogger(__name__)
 _GGML_F32 = 0
 
 
-def load_gguf(path: str | Path) -> tuple[PretrainedConfig, Iterator[tuple[str, torch.Tensor]]]:
+def load_gguf(path: str | Path, quant_config: GGUFConfig | None = None,
+              device: torch.device | None = None) -> tuple[PretrainedConfig, Iterator[tuple[str, torch.Tensor]]]:
     """Opens a llama.cpp GGUF file as an HF config and a stream of HF-named float tensors.
 
     The config is the one ``AutoConfig.from_pretrained(folder, gguf_file=name)`` builds (see
@@ -45,6 +48,9 @@ def load_gguf(path: str | Path) -> tuple[PretrainedConfig, Iterator[tuple[str, t
 
     Args:
         path: the ``.gguf`` file.
+        quant_config: keeps the projections it `GGUFConfig.keeps` as llama.cpp blocks
+            (`qweights.GGUFWeight`, views of the mapping); None dequantizes every tensor.
+        device: where the model runs.
 
     Returns:
         ``(config, weights)``; ``weights`` decodes the tensors as it is iterated.
@@ -64,7 +70,10 @@ def load_gguf(path: str | Path) -> tuple[PretrainedConfig, Iterator[tuple[str, t
     if not getattr(config, "architectures", None):
         config.architectures = [_causal_lm_arch(config.model_type)]
     logger.info("GGUF config of %s built in %.3f s", path.name, time.perf_counter() - start)
-    return config, _iterate_gguf(gguf, config)
+    if quant_config is not None:
+        names = {gguf_to_hf_name(t.name): t.ggml_type for t in gguf.tensors}
+        quant_config.bind({n: t for n, t in names.items() if n is not None}, device or torch.device("cpu"))
+    return config, _iterate_gguf(gguf, config, quant_config)
 
 
 def _causal_lm_arch(model_type: str) -> str:
@@ -113,7 +122,8 @@ def gguf_to_hf_name(name: str) -> str | None:
     raise CheckpointError(f"GGUF tensor {name!r} has no known HF name")
 
 
-def _iterate_gguf(gguf: GGUFFile, config: PretrainedConfig) -> Iterator[tuple[str, torch.Tensor]]:
+def _iterate_gguf(gguf: GGUFFile, config: PretrainedConfig,
+                  quant_config: GGUFConfig | None) -> Iterator[tuple[str, torch.Tensor]]:
     from ferrollm.kernels.cpu.gguf import dequantize_supported
 
     slow = sorted({_type_name(t.ggml_type) for t in gguf.tensors
@@ -127,6 +137,12 @@ def _iterate_gguf(gguf: GGUFFile, config: PretrainedConfig) -> Iterator[tuple[st
         if hf_name is None:
             continue
         start = time.perf_counter()
+        if quant_config is not None and quant_config.keeps(hf_name):
+            blocks = _blocks(gguf, info)
+            if permuted:
+                blocks.data = _unpermute_qk(info.name, blocks.data, config)
+            yield hf_name, blocks  # type: ignore[misc]
+            continue
         weight = _read_tensor(gguf, info)
         if permuted:
             weight = _unpermute_qk(info.name, weight, config)
@@ -134,6 +150,16 @@ def _iterate_gguf(gguf: GGUFFile, config: PretrainedConfig) -> Iterator[tuple[st
         # Fresh tensors, or views of the file's private mapping: parameters may keep either.
         yield hf_name, shareable(weight)
     logger.info("GGUF tensors of %s: %d dequantized or mapped in %.2f s", gguf.path.name, count, seconds)
+
+
+def _blocks(gguf: GGUFFile, info: GGUFTensorInfo) -> GGUFWeight:
+    """A 2-D tensor's blocks as the file holds them: a uint8 ``[rows, row_bytes]`` view of the mapping."""
+    import gguf as gguf_py
+
+    block_len, block_bytes = gguf_py.GGML_QUANT_SIZES[gguf_py.GGMLQuantizationType(info.ggml_type)]
+    rows, in_features = info.shape
+    data = torch.from_numpy(gguf.tensor_bytes(info).reshape(rows, -1))
+    return GGUFWeight(data, info.ggml_type, in_features, block_len, block_bytes)
 
 
 def _read_tensor(gguf: GGUFFile, info: GGUFTensorInfo) -> torch.Tensor:

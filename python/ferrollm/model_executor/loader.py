@@ -15,6 +15,7 @@ from transformers import PretrainedConfig
 
 from ferrollm.exceptions import CheckpointError
 from ferrollm.model_executor.layers.cpu_weights import cpu_weight_form
+from ferrollm.model_executor.layers.quantization import QuantizationConfig, attach_quant_methods
 from ferrollm.model_executor.layers.rotary import MAX_MODEL_LEN_ATTR
 from ferrollm.model_executor.gguf_loader import gguf_to_hf_name, load_gguf
 from ferrollm.model_executor.registry import ModelRegistry
@@ -75,6 +76,7 @@ def get_model(
     dtype: torch.dtype,
     weights: Iterable[tuple[str, torch.Tensor]],
     device: torch.device | str = "cpu",
+    quant_config: QuantizationConfig | None = None,
 ) -> nn.Module:
     """Builds the model ``config.architectures`` names and loads the checkpoint into it.
 
@@ -83,6 +85,7 @@ def get_model(
         dtype: parameter dtype.
         weights: ``(hf_name, tensor)`` pairs, from :func:`iterate_safetensors` or :func:`load_gguf`.
         device: where to build the model.
+        quant_config: the model's quantization (`resolve_quantization`), or None.
 
     Returns:
         The model, in eval mode.
@@ -92,7 +95,7 @@ def get_model(
         CheckpointError: for tensors that do not match the model.
     """
     model = build_model(config, dtype, device)
-    begin_loading(model, dtype, device)
+    begin_loading(model, dtype, device, quant_config)
     model.load_weights(weights)
     return finish_loading(model, dtype, device)
 
@@ -108,9 +111,13 @@ def build_model(config: PretrainedConfig, dtype: torch.dtype, device: torch.devi
         return model_cls(config, dtype)
 
 
-def begin_loading(model: nn.Module, dtype: torch.dtype, device: torch.device | str) -> None:
+def begin_loading(model: nn.Module, dtype: torch.dtype, device: torch.device | str,
+                  quant_config: QuantizationConfig | None = None) -> None:
     """Makes the CPU layers collect their checkpoint rows straight into the one form they keep
-    (see `cpu_weights`), so no merged or dense copy is made on the way."""
+    (see `cpu_weights`), so no merged or dense copy is made on the way; quantized layers take
+    their method's checkpoint tensors first."""
+    if quant_config is not None:
+        attach_quant_methods(model, quant_config, torch.device(device))
     form = cpu_weight_form(torch.device(device), dtype)
     for module in model.modules():
         begin = getattr(module, "begin_cpu_weight", None)
@@ -153,10 +160,11 @@ def load_model(model_config, load_format: str, device: torch.device, rank: int =
         model = build_model(model_config.hf_config, dtype, device)
         load_rank_state(model, source.folder, rank, world_size)
         return finish_loading(model, dtype, device)
+    quant_config = model_config.quant_config
     if source.gguf_file is not None:
-        _, weights = load_gguf(source.gguf_file)
+        _, weights = load_gguf(source.gguf_file, quant_config, device)
     else:
         # Under TP each rank reads only the slices its layers keep: on the CPU they are views of
         # the mapping (whose pages the ranks share), elsewhere windows read when copied.
         weights = iterate_safetensors(source.folder, lazy=world_size > 1 and device.type != "cpu")
-    return get_model(model_config.hf_config, dtype, weights, device=device)
+    return get_model(model_config.hf_config, dtype, weights, device=device, quant_config=quant_config)

@@ -89,6 +89,10 @@ class RowBlocks:
             CheckpointError: the rows do not fit the weight (naming ``what`` and the shapes).
         """
         rows = src.shape[0]
+        if not isinstance(src, torch.Tensor):  # a quantized weight (`quantization.qweights`), kept as is
+            self.blocks.append((first_row, src))
+            self.num_rows += rows
+            return
         if src.dim() != 2 or src.shape[1] != self.in_features or first_row + rows > self.out_features:
             raise CheckpointError(
                 f"{what}: the checkpoint tensor has shape {tuple(src.shape)}, the model expects {rows} "

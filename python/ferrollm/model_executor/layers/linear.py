@@ -12,6 +12,11 @@ On the CPU a layer keeps its weight in one form (`cpu_weights`): ``begin_cpu_wei
 loading makes the loaders hand each slice's rows to it instead of copying them into ``weight``,
 and the form is built when the last rows arrive (``finish_cpu_weight`` builds it from ``weight``
 for layers filled another way).
+
+A quantized layer (``set_quant_method``) registers its checkpoint tensors (``weight_packed``,
+``weight_scale`` ...) as placeholder parameters instead; once one projection's tensors are all in,
+its `LinearQuantMethod` turns them into a `qweights` weight, which the same loaders shard and
+collect, on any device, into a `QuantizedLinear`.
 """
 
 from __future__ import annotations
@@ -33,6 +38,8 @@ from ferrollm.model_executor.layers.cpu_weights import (
     build_cpu_weight,
     dense_linear,
 )
+from ferrollm.model_executor.layers.quantization.base_config import LinearQuantMethod
+from ferrollm.model_executor.layers.quantization.forms import QuantizedLinear, build_quantized_form
 from ferrollm.model_executor.weight_utils import copy_weight, share_or_copy
 
 __all__ = [
@@ -104,7 +111,7 @@ class LinearBase(nn.Module):
         raise NotImplementedError
 
     # The weight's CPU form (see `cpu_weights`), and the rows collected for it while loading.
-    _cpu: CpuWeight | None = None
+    _cpu: CpuWeight | QuantizedLinear | None = None
     _rows: RowBlocks | None = None
     _form: str | None = None
     # Whether the output is a `[gate, up]` pair that feeds `silu(gate) * up` (see `silu_and_mul`).
@@ -114,13 +121,16 @@ class LinearBase(nn.Module):
         return self.bias
 
     def begin_cpu_weight(self, form: str | None) -> None:
-        """Makes the loaders collect the weight's rows for ``form`` (`cpu_weights.cpu_weight_form`)."""
-        self._form = form
-        if form is not None:
+        """Makes the loaders collect the weight's rows for ``form`` (`cpu_weights.cpu_weight_form`);
+        a quantized layer collects them on every device."""
+        self._form = "quantized" if self.quant_method is not None else form
+        if self._form is not None:
             self._rows = RowBlocks(*self.weight.shape, self.weight.dtype)
 
     def finish_cpu_weight(self, form: str | None) -> None:
         """Builds the CPU form from ``weight`` where the loaders did not (tests, sharded state)."""
+        if self.quant_method is not None:
+            return self._flush_quant_pieces()
         if form is not None and self._cpu is None:
             self.begin_cpu_weight(form)
             self._load_rows(self.weight, 0, self.weight.detach(), "weight")
@@ -137,10 +147,75 @@ class LinearBase(nn.Module):
     def _build_cpu_weight(self) -> None:
         assert self._rows is not None and self._form is not None
         shape = tuple(self.weight.shape)
-        self._cpu = build_cpu_weight(self._form, self._rows.ordered(), *shape, gated=self.gated)
+        if self.quant_method is not None:
+            self._cpu = build_quantized_form(self._rows.ordered(), self._device)
+            self._drop_quant_params()
+        else:
+            self._cpu = build_cpu_weight(self._form, self._rows.ordered(), *shape, gated=self.gated)
         self._rows = None
         # The form holds the only copy; `weight` keeps its shape and dtype on the meta device.
         self.weight = _param(shape, self.weight.dtype, self.weight_loader, device="meta")
+
+    # -- quantized layers --------------------------------------------------------------------
+
+    quant_method: LinearQuantMethod | None = None
+
+    def set_quant_method(self, method: LinearQuantMethod, device: torch.device) -> None:
+        """Makes the layer load ``method``'s checkpoint tensors (before loading): a placeholder
+        parameter per tensor name, on the meta device, whose loader gathers one projection's
+        tensors until `LinearQuantMethod.make` can turn them into its quantized weight."""
+        self.quant_method = method
+        self._device = device
+        self._pieces: dict[object, dict[str, torch.Tensor]] = {}
+        self._quant_params: dict[int, str] = {}
+        shape, dtype = tuple(self.weight.shape), self.weight.dtype
+        del self.weight
+        # Where the checkpoint has no tensor named "weight", it is a plain attribute, still the
+        # target the loaders collect rows for.
+        self.weight = torch.empty(shape, dtype=dtype, device="meta")
+        for suffix in method.suffixes:
+            if suffix == "weight":
+                param = self.weight = _param(shape, dtype, None, device="meta")
+            else:
+                param = _param((0,), method.params_dtype.get(suffix, torch.float32), None, device="meta")
+                self.register_parameter(suffix, param)
+            param.weight_loader = self._load_quant_piece
+            param.optional = suffix in method.optional
+            self._quant_params[id(param)] = suffix
+
+    def _load_quant_piece(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        method = self.quant_method
+        assert method is not None
+        pieces = self._pieces.setdefault(shard_id, {})
+        pieces[self._quant_params[id(param)]] = loaded
+        if len(pieces) == len(method.suffixes):
+            self._make_quantized(shard_id)
+
+    def _make_quantized(self, shard_id) -> None:
+        assert self.quant_method is not None
+        weight = self.quant_method.make(self._pieces.pop(shard_id))
+        if shard_id is None:
+            self.weight_loader(self.weight, weight)
+        else:
+            self.weight_loader(self.weight, weight, shard_id)  # type: ignore[call-arg]
+
+    def _flush_quant_pieces(self) -> None:
+        """Makes the projections whose optional tensors the checkpoint left out."""
+        assert self.quant_method is not None
+        required = set(self.quant_method.suffixes) - set(self.quant_method.optional)
+        for shard_id in list(self._pieces):
+            missing = required - set(self._pieces[shard_id])
+            if missing:
+                raise CheckpointError(f"the checkpoint lacks {sorted(missing)} of a quantized layer (shard {shard_id})")
+            self._make_quantized(shard_id)
+        if self._cpu is None:
+            raise CheckpointError(f"the quantized layer ({self.extra_repr()}) received no weights")
+
+    def _drop_quant_params(self) -> None:
+        for name in [n for n, p in self.named_parameters(recurse=False) if id(p) in self._quant_params
+                     and n != "weight"]:
+            delattr(self, name)
+        self._quant_params = {}
 
     def dense_weight(self) -> torch.Tensor:
         """The plain ``[out, in]`` weight of this rank, whatever form holds it."""

@@ -96,7 +96,9 @@ def load_weights_into(
 def _expected_parts(params: dict[str, nn.Parameter], stacked_params: StackedParams):
     """Every (parameter, shard id) a complete checkpoint fills; shard id None for unfused ones."""
     expected = set()
-    for name in params:
+    for name, param in params.items():
+        if getattr(param, "optional", False):  # a quantized layer's tensor checkpoints may omit
+            continue
         shards = [sid for fused, _, sid in stacked_params if fused in name]
         expected.update((name, sid) for sid in shards or [None])
     return expected

@@ -1,0 +1,103 @@
+"""The form a quantized linear layer keeps its weight in, and its product.
+
+Built once per layer from the `qweights` row blocks its loaders collected (q, k, v; gate, up; this
+rank's slice), then kept as the only copy: packed for the CPU kernels (`ferrollm.kernels.cpu.quant`,
+`ferrollm.kernels.cpu.gguf`) or the Triton ones (`ferrollm.kernels.triton.quant`) by the device the
+weight lives on. GGUF blocks stay views of the file's mapping.
+
+Products take float activations ``[rows, in]`` in the model's dtype; the CPU kernels compute in
+float32, so a bf16 model's rows are converted on the way in and out.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ferrollm.model_executor.layers.quantization import qweights as qw
+
+__all__ = ["QuantizedLinear", "build_quantized_form"]
+
+
+class QuantizedLinear:
+    """One layer's quantized weight and the kernel that multiplies by it."""
+
+    def __init__(self, weight: qw.QuantizedWeight | list[qw.GGUFWeight], device: torch.device):
+        self.source = weight
+        self.device = device
+        self._prepare()
+
+    # -- building ----------------------------------------------------------------------------
+
+    def _prepare(self) -> None:
+        w = self.source
+        on_cpu = self.device.type == "cpu"
+        if isinstance(w, list):  # GGUF segments, each read where the file holds it
+            self.kind = "gguf"
+            self.segments = [(s.data, s.ggml_type, s.in_features) for s in w]
+            return
+        self.kind = type(w).__name__
+        if isinstance(w, qw.IntWeight):
+            self.packed = _kernels(on_cpu).pack_int4(w.q) if w.bits == 4 else w.q.contiguous()
+            self.source = qw.IntWeight(torch.empty(0), w.scales.contiguous().float(),
+                                       None if w.mins is None else w.mins.contiguous().float(),
+                                       w.bits, w.group_size, w.perm)
+            self.out_features = w.q.shape[0]
+        elif isinstance(w, qw.Int8ActWeight):
+            self.packed = _kernels(on_cpu).w8a8_pack(w.q.contiguous()) if on_cpu else w.q.contiguous()
+            self.out_features = w.q.shape[0]
+        elif isinstance(w, qw.Fp8Weight):
+            self.packed = w.q.contiguous()
+            self.out_features = w.q.shape[0]
+
+    # -- the product -------------------------------------------------------------------------
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        dtype = x.dtype
+        if self.device.type == "cpu" and dtype != torch.float32:
+            x = x.float()
+            bias = None if bias is None else bias.float()
+        y = self._product(x.contiguous(), bias)
+        return y.to(dtype)
+
+    def _product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        k = _kernels(self.device.type == "cpu")
+        w = self.source
+        if self.kind == "gguf":
+            from ferrollm.kernels.cpu.gguf import gguf_linear
+
+            outs = [gguf_linear(x, data, t, n) for data, t, n in self.segments]
+            y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+            return y if bias is None else y + bias
+        if isinstance(w, qw.IntWeight):
+            if w.perm is not None:
+                x = x[:, w.perm].contiguous()
+            return k.wq_linear(x, self.packed, w.scales, w.mins, w.bits, w.group_size, bias)
+        if isinstance(w, qw.Int8ActWeight):
+            return k.w8a8_linear(x, self.packed, w.scale, bias, w.input_scale, w.input_zero_point)
+        assert isinstance(w, qw.Fp8Weight)
+        return k.fp8_linear(x, self.packed, w.scale, bias, w.block, w.input_quant, w.input_scale)
+
+    # -- what the rest of the engine asks ----------------------------------------------------
+
+    def tensors(self) -> dict[int, int]:
+        """Bytes held, by address (for the start-up log's weight bytes)."""
+        held = [self.packed] if hasattr(self, "packed") else [d for d, _, _ in getattr(self, "segments", [])]
+        w = self.source
+        for name in ("scales", "mins", "scale"):
+            t = getattr(w, name, None)
+            if isinstance(t, torch.Tensor):
+                held.append(t)
+        return {t.data_ptr(): t.numel() * t.element_size() for t in held if t.numel()}
+
+
+def _kernels(on_cpu: bool):
+    if on_cpu:
+        from ferrollm.kernels.cpu import quant
+        return quant
+    from ferrollm.kernels.triton import quant as triton_quant
+    return triton_quant
+
+
+def build_quantized_form(blocks: list[tuple[int, qw.QuantizedWeight]], device: torch.device) -> QuantizedLinear:
+    """The layer's form from its row blocks, which tile the weight in order (`RowBlocks.ordered`)."""
+    return QuantizedLinear(qw.cat([b for _, b in blocks]), device)

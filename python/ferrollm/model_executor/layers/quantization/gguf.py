@@ -1,0 +1,101 @@
+"""GGUF files kept quantized: the linear layers read llama.cpp's blocks straight from the file's
+mapping through the CPU block kernels (`ferrollm.kernels.cpu.gguf.gguf_linear`), so the weights
+cost their file bytes, shared through the page cache, and decode reads 4-6 bits a weight.
+
+Which tensors stay blocks is decided once per file (`GGUFConfig.keeps`): the linear projections
+whose type has a kernel (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) on the CPU, when every
+projection fused with it does too. Embeddings, norms, the LM head and any other type are
+dequantized at load as before, and logged.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from ferrollm.model_executor.layers.quantization import qweights as qw
+from ferrollm.model_executor.layers.quantization.base_config import LinearQuantMethod, QuantizationConfig
+
+__all__ = ["GGUFConfig"]
+
+logger = logging.getLogger(__name__)
+
+# The per-layer projections a linear layer reads (HF names), and the fused layers made of them.
+_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class GGUFConfig(QuantizationConfig):
+    name = "gguf"
+
+    def __init__(self, types: dict[str, int] | None = None, device: torch.device | None = None):
+        # HF tensor name -> GGML type, for the file being loaded (set by `bind`).
+        self.types = types or {}
+        self.device = device or torch.device("cpu")
+        self.fused: dict[str, tuple[str, ...]] = {}
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any] | None) -> GGUFConfig:
+        return cls()
+
+    def bind(self, types: dict[str, int], device: torch.device) -> None:
+        """The file's tensor types by HF name, and where the model runs."""
+        self.types, self.device = types, device
+        kept = sorted({_type_name(t) for n, t in types.items() if self.keeps(n)})
+        other = sorted({_type_name(t) for n, t in types.items() if not self.keeps(n) and _is_projection(n)})
+        logger.info("GGUF projections kept quantized: %s; dequantized at load: %s", kept or "none", other or "none")
+
+    def describe(self) -> str:
+        return "gguf (llama.cpp blocks read in place)"
+
+    def keeps(self, hf_name: str) -> bool:
+        """Whether the tensor stays llama.cpp blocks: a projection with a block kernel, and every
+        projection fused with it as well."""
+        if not _is_projection(hf_name) or self.device.type != "cpu":
+            return False
+        layer = hf_name.rsplit(".", 2)[0]
+        return all(_has_kernel(self.types.get(f"{layer}.{p}.weight")) for p in self._siblings(hf_name))
+
+    def _siblings(self, hf_name: str) -> tuple[str, ...]:
+        proj = hf_name.rsplit(".", 2)[1]
+        for parts in self.fused.values():
+            if proj in parts:
+                return parts
+        return (proj,)
+
+    def get_linear_method(self, prefix: str) -> LinearQuantMethod | None:
+        layer, _, name = prefix.rpartition(".")
+        parts = self.fused.get(name, (name,))
+        if all(self.keeps(f"{layer}.{p}.weight") for p in parts):
+            return _GGUFMethod()
+        return None
+
+
+class _GGUFMethod(LinearQuantMethod):
+    def __init__(self):
+        super().__init__(("weight",))
+
+    def make(self, pieces: dict[str, torch.Tensor]) -> qw.QuantizedWeight:
+        weight = pieces["weight"]
+        assert isinstance(weight, qw.GGUFWeight), "the GGUF reader yields blocks for the layers it keeps"
+        return weight
+
+
+def _is_projection(hf_name: str) -> bool:
+    parts = hf_name.rsplit(".", 2)
+    return len(parts) == 3 and parts[1] in _PROJECTIONS and parts[2] == "weight"
+
+
+def _has_kernel(ggml_type: int | None) -> bool:
+    if ggml_type is None:
+        return False
+    from ferrollm.kernels.cpu.gguf import gguf_linear_supported
+
+    return gguf_linear_supported(ggml_type)
+
+
+def _type_name(ggml_type: int) -> str:
+    import gguf
+
+    return gguf.GGMLQuantizationType(ggml_type).name
