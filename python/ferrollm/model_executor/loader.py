@@ -15,7 +15,7 @@ from transformers import PretrainedConfig
 
 from ferrollm.exceptions import CheckpointError
 from ferrollm.model_executor.layers.cpu_weights import cpu_weight_form
-from ferrollm.model_executor.layers.quantization import QuantizationConfig, attach_quant_methods
+from ferrollm.model_executor.layers.quantization import QuantizationConfig, attach_quant_methods, log_quantized_bytes
 from ferrollm.model_executor.layers.rotary import MAX_MODEL_LEN_ATTR
 from ferrollm.model_executor.gguf_loader import gguf_to_hf_name, load_gguf
 from ferrollm.model_executor.registry import ModelRegistry
@@ -133,6 +133,7 @@ def finish_loading(model: nn.Module, dtype: torch.dtype, device: torch.device | 
         finish = getattr(module, "finish_cpu_weight", None)
         if callable(finish):
             finish(form)
+    log_quantized_bytes(model, dtype)
     return model.eval()
 
 

@@ -21,7 +21,7 @@ from ferrollm.model_executor.layers.quantization.fp8 import Fp8Config
 from ferrollm.model_executor.layers.quantization.gguf import GGUFConfig
 from ferrollm.model_executor.layers.quantization.gptq import AWQConfig, GPTQConfig
 
-__all__ = ["QUANTIZATION_METHODS", "LinearQuantMethod", "QuantizationConfig", "attach_quant_methods",
+__all__ = ["QUANTIZATION_METHODS", "LinearQuantMethod", "QuantizationConfig", "attach_quant_methods", "log_quantized_bytes",
            "resolve_quantization"]
 
 logger = logging.getLogger(__name__)
@@ -115,3 +115,20 @@ def _fused_layers(model: nn.Module) -> dict[str, tuple[str, ...]]:
         if part.strip(".") not in parts:
             parts.append(part.strip("."))
     return {k: tuple(v) for k, v in fused.items()}
+
+
+def log_quantized_bytes(model: nn.Module, dtype) -> None:
+    """Logs what the quantized layers hold against what their weights would take in ``dtype``."""
+    from ferrollm.model_executor.layers.quantization.forms import QuantizedLinear
+
+    held, unquantized = {}, 0
+    for module in model.modules():
+        form = getattr(module, "_cpu", None)
+        if isinstance(form, QuantizedLinear):
+            held.update(form.tensors())
+            unquantized += module.weight.numel() * module.weight.element_size()
+    if held:
+        mib = 1 << 20
+        logger.info("quantized linear weights: %.1f MiB, from %.1f MiB in %s (%.2fx smaller)",
+                    sum(held.values()) / mib, unquantized / mib, str(dtype).replace("torch.", ""),
+                    unquantized / max(sum(held.values()), 1))
