@@ -31,6 +31,9 @@ __all__ = [
     "cpu_rms_norm",
     "cpu_rotary_neox",
     "cpu_silu_and_mul",
+    "cpu_w8a8_linear",
+    "cpu_w8a8_pack",
+    "cpu_w8a8_packed_len",
     "cpu_wq_int4_packed_len",
     "cpu_wq_linear",
     "cpu_wq_pack_int4",
@@ -398,5 +401,20 @@ def cpu_wq_linear(
     out_features: int,
     in_features: int,
     group_size: int,
+    threads: int,
+) -> None: ...
+def cpu_w8a8_packed_len(out_features: int, in_features: int) -> int: ...
+def cpu_w8a8_pack(qweight: _Buffer, packed: _Buffer, out_features: int, in_features: int, threads: int) -> None: ...
+def cpu_w8a8_linear(
+    x: _Buffer,
+    packed: _Buffer,
+    weight_scale: _Buffer,
+    bias: _Buffer | None,
+    out: _Buffer,
+    rows: int,
+    out_features: int,
+    in_features: int,
+    input_scale: float | None,
+    input_zero_point: int,
     threads: int,
 ) -> None: ...

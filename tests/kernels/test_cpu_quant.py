@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 from ferrollm.exceptions import KernelError
-from ferrollm.kernels.cpu.quant import pack_int4, wq_linear
+from ferrollm.kernels.cpu.quant import pack_int4, w8a8_linear, w8a8_pack, wq_linear
 
 ROWS = (1, 2, 3, 7, 33, 130)
 OUT_FEATURES = 37
@@ -96,3 +96,51 @@ def test_refusals_name_the_parameter_and_the_limit():
         wq_linear(x, q, scales, None, 3, 32)
     with pytest.raises(KernelError, match="`q` must be between 0 and 15. Given: 16"):
         pack_int4(torch.full((2, 8), 16, dtype=torch.uint8))
+
+
+def _int8_activations(x: torch.Tensor, input_scale: float | None, zero_point: int):
+    """vLLM's ``scaled_int8_quant``: per row ``s = max|x| / 127`` (dynamic) or the given scale,
+    ``q = clamp(round(x / s) + zp, -128, 127)``, ties to even (``torch.round``)."""
+    if input_scale is None:
+        scale = x.abs().amax(dim=1, keepdim=True) / 127
+        q = torch.where(scale > 0, torch.round(x / scale), torch.zeros_like(x)).clamp(-128, 127)
+        return q, scale, 0
+    scale = torch.full((x.shape[0], 1), input_scale)
+    return (torch.round(x / scale) + zero_point).clamp(-128, 127), scale, zero_point
+
+
+@pytest.mark.parametrize("in_features", [64, 37, 896])
+@pytest.mark.parametrize(("input_scale", "zero_point"), [(None, 0), (0.02, 0), (0.01, -7)],
+                         ids=["dynamic", "static", "static-asym"])
+def test_w8a8_matches_the_integer_definition(in_features, input_scale, zero_point):
+    gen = torch.Generator().manual_seed(in_features + (zero_point or 0))
+    qweight = torch.randint(-128, 128, (OUT_FEATURES, in_features), dtype=torch.int8, generator=gen)
+    weight_scale = torch.rand(OUT_FEATURES, generator=gen) * 0.01
+    bias = torch.randn(OUT_FEATURES, generator=gen)
+    packed = w8a8_pack(qweight)
+    for rows in ROWS:
+        x = torch.randn(rows, in_features, generator=gen)
+        x[0] = 0  # a row of zeros quantizes to zeros (dynamic scale 0)
+        for b in (None, bias):
+            got = w8a8_linear(x, packed, weight_scale, b, input_scale, zero_point)
+            q, s, zp = _int8_activations(x, input_scale, zero_point)
+            dots = ((q - zp).double() @ qweight.double().T).float()
+            want = (s * weight_scale) * dots + (0 if b is None else b)
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_w8a8_takes_column_scales_and_tensor_settings():
+    gen = torch.Generator().manual_seed(5)
+    qweight = torch.randint(-128, 128, (OUT_FEATURES, 64), dtype=torch.int8, generator=gen)
+    weight_scale = torch.rand(OUT_FEATURES, 1, generator=gen)
+    x = torch.randn(2, 3, 64, generator=gen)
+    packed = w8a8_pack(qweight)
+    got = w8a8_linear(x, packed, weight_scale, None, torch.tensor([0.05]), torch.tensor(2))
+    assert got.shape == (2, 3, OUT_FEATURES)
+    assert torch.equal(got, w8a8_linear(x, packed, weight_scale.view(-1), None, 0.05, 2))
+    with pytest.raises(KernelError, match="`input_scale` must be finite and > 0. Given: 0"):
+        w8a8_linear(x, packed, weight_scale, None, 0.0)
+    with pytest.raises(KernelError, match="`input_zero_point` must be between -128 and 127. Given: 128"):
+        w8a8_linear(x, packed, weight_scale, None, 0.1, 128)
+    with pytest.raises(KernelError, match="`packed` must have shape"):
+        w8a8_linear(torch.randn(1, 60), packed, weight_scale)

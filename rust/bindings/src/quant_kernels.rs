@@ -1,11 +1,14 @@
-//! The quantized CPU linear layers (`ferrollm_kernels::quant`: weight-only int4/int8) on torch
-//! tensors' memory.
+//! The quantized CPU linear layers (`ferrollm_kernels::quant`: weight-only int4/int8, W8A8
+//! int8) on torch tensors' memory.
 //!
 //! Buffers cross as `(data_ptr, numel)` pairs, as in `cpu_kernels`. The one caller,
 //! `ferrollm.kernels.cpu.quant`, passes contiguous CPU tensors of the dtypes each function
 //! names, and outputs it has just allocated (so they alias no input); the kernels check every
 //! length against the shape they are given.
 
+use ferrollm_kernels::quant::w8a8::{
+    w8a8_linear, w8a8_pack, w8a8_packed_len, ActQuant, W8a8Shape, W8a8Weight,
+};
 use ferrollm_kernels::quant::wq::{int4_packed_len, pack_int4, wq_linear, QWeight, WqShape, WqWeight};
 use pyo3::prelude::*;
 
@@ -16,6 +19,9 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cpu_wq_int4_packed_len, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_wq_pack_int4, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_wq_linear, m)?)?;
+    m.add_function(wrap_pyfunction!(cpu_w8a8_packed_len, m)?)?;
+    m.add_function(wrap_pyfunction!(cpu_w8a8_pack, m)?)?;
+    m.add_function(wrap_pyfunction!(cpu_w8a8_linear, m)?)?;
     Ok(())
 }
 
@@ -105,4 +111,65 @@ pub fn cpu_wq_linear(
     let weight = WqWeight { q, scales, mins };
     let shape = WqShape { rows, out_features, in_features, group_size };
     py.detach(|| wq_linear(x, weight, bias, out, shape, threads)).map_err(kernel_error)
+}
+
+/// Bytes `cpu_w8a8_pack` writes for an `[out_features, in_features]` weight.
+#[pyfunction]
+pub fn cpu_w8a8_packed_len(out_features: usize, in_features: usize) -> usize {
+    w8a8_packed_len(out_features, in_features)
+}
+
+/// Packs `qweight` (int8 `[out_features, in_features]`) into `packed` (uint8,
+/// `cpu_w8a8_packed_len` bytes) for `cpu_w8a8_linear`.
+#[pyfunction]
+#[pyo3(signature = (qweight, packed, out_features, in_features, threads))]
+pub fn cpu_w8a8_pack(
+    py: Python<'_>,
+    qweight: Buffer,
+    packed: Buffer,
+    out_features: usize,
+    in_features: usize,
+    threads: usize,
+) -> PyResult<()> {
+    // SAFETY: see the module doc; `packed` is a fresh tensor.
+    let (q, packed) = unsafe { (view::<i8>(qweight), view_mut::<u8>(packed)) };
+    py.detach(|| w8a8_pack(q, packed, out_features, in_features, threads)).map_err(kernel_error)
+}
+
+/// `out[rows, out_features]` of the W8A8 product: activations quantized per token (no
+/// `input_scale`) or with the given scale and zero point, `weight_scale` float32 `[out_features]`.
+#[pyfunction]
+#[pyo3(signature = (x, packed, weight_scale, bias, out, rows, out_features, in_features, input_scale, input_zero_point, threads))]
+#[allow(clippy::too_many_arguments)]
+pub fn cpu_w8a8_linear(
+    py: Python<'_>,
+    x: Buffer,
+    packed: Buffer,
+    weight_scale: Buffer,
+    bias: Option<Buffer>,
+    out: Buffer,
+    rows: usize,
+    out_features: usize,
+    in_features: usize,
+    input_scale: Option<f32>,
+    input_zero_point: i32,
+    threads: usize,
+) -> PyResult<()> {
+    // SAFETY: see the module doc; `out` is a fresh tensor.
+    let (x, packed, weight_scale, bias, out) = unsafe {
+        (
+            view::<f32>(x),
+            view::<u8>(packed),
+            view::<f32>(weight_scale),
+            bias.map(|b| view::<f32>(b)),
+            view_mut::<f32>(out),
+        )
+    };
+    let act = match input_scale {
+        None => ActQuant::Dynamic,
+        Some(scale) => ActQuant::Static { scale, zero_point: input_zero_point },
+    };
+    let shape = W8a8Shape { rows, out_features, in_features };
+    let weight = W8a8Weight { packed, weight_scale };
+    py.detach(|| w8a8_linear(x, weight, bias, act, out, shape, threads)).map_err(kernel_error)
 }

@@ -12,6 +12,7 @@
 
 pub mod blocks;
 mod tiled;
+pub mod w8a8;
 pub mod wq;
 
 use crate::element::Element;
