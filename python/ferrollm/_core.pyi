@@ -31,6 +31,12 @@ __all__ = [
     "cpu_rms_norm",
     "cpu_rotary_neox",
     "cpu_silu_and_mul",
+    "cpu_w8a8_linear",
+    "cpu_w8a8_pack",
+    "cpu_w8a8_packed_len",
+    "cpu_wq_int4_packed_len",
+    "cpu_wq_linear",
+    "cpu_wq_pack_int4",
     "cpu_write_kv",
 ]
 __version__: str
@@ -379,3 +385,36 @@ def cpu_write_kv(
 # GGUF block decoding (`rust/kernels/src/quant.rs`); see `ferrollm.kernels.cpu.gguf`, the caller.
 def cpu_gguf_supported(ggml_type: int) -> bool: ...
 def cpu_gguf_dequantize(ggml_type: int, data: _Buffer, dtype: str, out: _Buffer, threads: int) -> None: ...
+
+# Quantized linear layers (`rust/kernels/src/quant/`); see `ferrollm.kernels.cpu.quant`, the caller.
+def cpu_wq_int4_packed_len(out_features: int, in_features: int) -> int: ...
+def cpu_wq_pack_int4(q: _Buffer, packed: _Buffer, out_features: int, in_features: int, threads: int) -> None: ...
+def cpu_wq_linear(
+    x: _Buffer,
+    qweight: _Buffer,
+    bits: int,
+    scales: _Buffer,
+    mins: _Buffer | None,
+    bias: _Buffer | None,
+    out: _Buffer,
+    rows: int,
+    out_features: int,
+    in_features: int,
+    group_size: int,
+    threads: int,
+) -> None: ...
+def cpu_w8a8_packed_len(out_features: int, in_features: int) -> int: ...
+def cpu_w8a8_pack(qweight: _Buffer, packed: _Buffer, out_features: int, in_features: int, threads: int) -> None: ...
+def cpu_w8a8_linear(
+    x: _Buffer,
+    packed: _Buffer,
+    weight_scale: _Buffer,
+    bias: _Buffer | None,
+    out: _Buffer,
+    rows: int,
+    out_features: int,
+    in_features: int,
+    input_scale: float | None,
+    input_zero_point: int,
+    threads: int,
+) -> None: ...

@@ -8,6 +8,7 @@ mod engine;
 mod errors;
 mod gguf;
 mod outputs;
+mod quant_kernels;
 mod sampling;
 mod tokenizer;
 
@@ -39,6 +40,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cpu_kernels::cpu_rotary_neox, m)?)?;
     m.add_function(wrap_pyfunction!(gguf::cpu_gguf_supported, m)?)?;
     m.add_function(wrap_pyfunction!(gguf::cpu_gguf_dequantize, m)?)?;
+    quant_kernels::register(m)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

@@ -9,6 +9,9 @@ pub enum KernelError {
     /// A shape value is out of range.
     #[error("`{name}` must be {limit}. Given: {value}")]
     Value { name: &'static str, limit: String, value: i64 },
+    /// A setting is out of range (one that is not an integer, such as a scale).
+    #[error("`{name}` must be {limit}. Given: {value}")]
+    Param { name: &'static str, limit: String, value: String },
     /// The OpenMP runtime could not be attached.
     #[error("cannot use the OpenMP runtime at {path:?}: {reason}")]
     OpenMp { path: String, reason: String },

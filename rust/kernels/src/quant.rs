@@ -11,6 +11,9 @@
 //! into fresh tensors, most of it first touches of their pages; gguf-py's numpy took ~2 s.
 
 pub mod blocks;
+mod tiled;
+pub mod w8a8;
+pub mod wq;
 
 use crate::element::Element;
 use crate::error::{check_len, KernelError};

@@ -1,0 +1,477 @@
+//! W8A8 int8 linear layers (compressed-tensors W8A8, vLLM's int8 CPU mode): int8 weights with a
+//! scale per output feature, activations quantized to int8 inside the call, integer products.
+//!
+//! `out[r, n] = s_x[r] · s_w[n] · Σ_k (qx[r, k] - zp) · qw[n, k] + bias[n]`, where the
+//! activations are quantized either per token, dynamically (`s_x[r] = max|x[r]| / 127`,
+//! `qx = round(x / s_x)`, ties to even, clamped to [-128, 127], `zp = 0`: vLLM's
+//! `scaled_int8_quant`), or per tensor with a given scale and zero point
+//! (`qx = clamp(round(x / s) + zp, -128, 127)`).
+//!
+//! [`w8a8_pack`] lays the weight out once for the products: tiles of 16 output features, in
+//! each tile groups of 4 consecutive `k` of all 16 features, 64 bytes (byte `4 i + c` is feature
+//! `i`'s `k = 4 j + c`), the shape VNNI's `vpdpbusd` multiplies against 4 broadcast activation
+//! bytes; after the tiles, each feature's `Σ_k qw` as i32, for the unsigned activations VNNI
+//! takes (`qx + 128`, corrected by `(128 + zp) · Σ_k qw`). Three kernels read it:
+//!
+//! - AVX512-VNNI / AVX-VNNI (`vpdpbusd`, selected at run time where the CPU has it): u8 × s8
+//!   products summed in 32 bits, so nothing saturates;
+//! - AVX2: `vpmaddubsw` would saturate its 16-bit pair sums for unsigned × signed bytes (255 ×
+//!   -128 × 2), so activations are widened to i16 (`qx - zp`) and weights to i16 as they are
+//!   loaded, and `vpmaddwd` multiplies: exact for every input, 16 products per instruction;
+//! - a portable loop in i32.
+//!
+//! Costs: one pass over `x` to quantize it (rows × in bytes, twice that for AVX2), then the
+//! weight is read once per call; a thread takes whole tiles and runs every row block over each
+//! tile while the tile (16 × in bytes) stays in L2.
+
+#[cfg(target_arch = "x86_64")]
+mod x86;
+
+use crate::error::{check_len, KernelError};
+use crate::openmp;
+
+/// Output features per tile of the packed weight.
+pub const TILE: usize = 16;
+/// Consecutive `k` of one feature side by side in a tile.
+const QUAD: usize = 4;
+
+/// `x` is `[rows, in_features]`, `out` `[rows, out_features]`; the weight `[out_features,
+/// in_features]` before packing.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct W8a8Shape {
+    pub rows: usize,
+    pub out_features: usize,
+    pub in_features: usize,
+}
+
+/// How the activations are quantized.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum ActQuant {
+    /// Per token: `s = max|x[r]| / 127`, symmetric.
+    Dynamic,
+    /// Per tensor, given: `qx = clamp(round(x / scale) + zero_point, -128, 127)`.
+    Static { scale: f32, zero_point: i32 },
+}
+
+/// `in_features` rounded up to whole quads.
+fn k_padded(in_features: usize) -> usize {
+    in_features.div_ceil(QUAD) * QUAD
+}
+
+/// Bytes [`w8a8_pack`] writes for an `[out_features, in_features]` weight: the tiles, then
+/// 4 bytes of weight sum per (padded) feature.
+pub fn w8a8_packed_len(out_features: usize, in_features: usize) -> usize {
+    let features = out_features.div_ceil(TILE) * TILE;
+    features * k_padded(in_features) + 4 * features
+}
+
+/// Packs `qweight` (`[out_features, in_features]`, row-major) into `packed`
+/// ([`w8a8_packed_len`] bytes) for [`w8a8_linear`]; tiles split over the team.
+pub fn w8a8_pack(
+    qweight: &[i8],
+    packed: &mut [u8],
+    out_features: usize,
+    in_features: usize,
+    threads: usize,
+) -> Result<(), KernelError> {
+    check_len("qweight", qweight.len(), out_features * in_features)?;
+    check_len("packed", packed.len(), w8a8_packed_len(out_features, in_features))?;
+    let kp = k_padded(in_features);
+    let (tiles, sums) = packed.split_at_mut(out_features.div_ceil(TILE) * TILE * kp);
+    let at = |n: usize, k: usize| {
+        if n < out_features && k < in_features {
+            qweight[n * in_features + k]
+        } else {
+            0
+        }
+    };
+    openmp::for_each_share_pair(tiles, sums, TILE * kp, 4 * TILE, 4, threads, |units, tiles, sums| {
+        for (t, (tile, sums)) in
+            units.zip(tiles.chunks_exact_mut(TILE * kp).zip(sums.chunks_exact_mut(4 * TILE)))
+        {
+            for (j, quad) in tile.chunks_exact_mut(TILE * QUAD).enumerate() {
+                for (b, byte) in quad.iter_mut().enumerate() {
+                    *byte = at(t * TILE + b / QUAD, j * QUAD + b % QUAD) as u8;
+                }
+            }
+            for (i, sum) in sums.chunks_exact_mut(4).enumerate() {
+                let total: i32 = (0..in_features).map(|k| i32::from(at(t * TILE + i, k))).sum();
+                sum.copy_from_slice(&total.to_le_bytes());
+            }
+        }
+    });
+    Ok(())
+}
+
+/// A W8A8 weight: [`w8a8_pack`]'s bytes and the scale of each output feature.
+#[derive(Clone, Copy, Debug)]
+pub struct W8a8Weight<'a> {
+    pub packed: &'a [u8],
+    pub weight_scale: &'a [f32],
+}
+
+/// `out = dequant(quant(x) · qwᵀ) + bias` (see the module doc) on up to `threads` threads of
+/// the OpenMP team; `weight_scale` is `[out_features]`.
+pub fn w8a8_linear(
+    x: &[f32],
+    weight: W8a8Weight<'_>,
+    bias: Option<&[f32]>,
+    act: ActQuant,
+    out: &mut [f32],
+    shape: W8a8Shape,
+    threads: usize,
+) -> Result<(), KernelError> {
+    let W8a8Shape { rows, out_features, in_features } = shape;
+    let W8a8Weight { packed, weight_scale } = weight;
+    check_len("x", x.len(), rows * in_features)?;
+    check_len("packed", packed.len(), w8a8_packed_len(out_features, in_features))?;
+    check_len("weight_scale", weight_scale.len(), out_features)?;
+    if let Some(bias) = bias {
+        check_len("bias", bias.len(), out_features)?;
+    }
+    check_len("out", out.len(), rows * out_features)?;
+    if let ActQuant::Static { scale, zero_point } = act {
+        if !(scale.is_finite() && scale > 0.0) {
+            let (limit, value) = ("finite and > 0".into(), scale.to_string());
+            return Err(KernelError::Param { name: "input_scale", limit, value });
+        }
+        if !(-128..=127).contains(&zero_point) {
+            let limit = "between -128 and 127".into();
+            return Err(KernelError::Value { name: "input_zero_point", limit, value: zero_point.into() });
+        }
+    }
+    run(x, weight, bias, act, out, shape, threads, Kernel::detect());
+    Ok(())
+}
+
+/// [`w8a8_linear`] on checked arguments, with `kernel`.
+#[allow(clippy::too_many_arguments)]
+fn run(
+    x: &[f32],
+    weight: W8a8Weight<'_>,
+    bias: Option<&[f32]>,
+    act: ActQuant,
+    out: &mut [f32],
+    shape: W8a8Shape,
+    threads: usize,
+    kernel: Kernel,
+) {
+    let W8a8Shape { rows, out_features, in_features } = shape;
+    let W8a8Weight { packed, weight_scale } = weight;
+    let acts = Activations::quantize(x, rows, in_features, act, kernel);
+    let tiles = out_features.div_ceil(TILE);
+    let kp = k_padded(in_features);
+    let (weights, sums) = packed.split_at(tiles * TILE * kp);
+    let job = Job { acts: &acts, weights, sums, weight_scale, bias, shape, kernel };
+    let dst = openmp::SharedMut(out.as_mut_ptr());
+    openmp::parallel(threads.min(tiles).max(1), |thread, team| {
+        for tile in openmp::share(tiles, thread, team) {
+            // SAFETY: each thread writes only its tiles' columns of `out`, which holds
+            // `rows * out_features` elements and outlives `parallel`.
+            unsafe { job.tile(tile, dst.get()) };
+        }
+    });
+}
+
+/// Which integer product runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kernel {
+    Avx512Vnni,
+    AvxVnni,
+    Avx2,
+    Portable,
+}
+
+impl Kernel {
+    fn detect() -> Self {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if x86::has_avx512_vnni() {
+                return Kernel::Avx512Vnni;
+            }
+            if x86::has_avx_vnni() {
+                return Kernel::AvxVnni;
+            }
+            if crate::simd::has_avx2_fma() {
+                return Kernel::Avx2;
+            }
+        }
+        Kernel::Portable
+    }
+
+    /// Whether the kernel takes activations as unsigned bytes `qx + 128` (else i16 `qx - zp`).
+    fn unsigned(self) -> bool {
+        matches!(self, Kernel::Avx512Vnni | Kernel::AvxVnni)
+    }
+}
+
+/// One call's quantized activations: `[rows, k_padded]`, zero-padded, as `u8` (`qx + 128`) or
+/// `i16` (`qx - zp`) as the kernel takes them, with each row's scale.
+struct Activations {
+    bytes: Vec<u8>,
+    wide: Vec<i16>,
+    scales: Vec<f32>,
+    /// What each weight sum is multiplied by and taken off: `128 + zp` for bytes, else 0.
+    offset: i32,
+    kp: usize,
+}
+
+impl Activations {
+    fn quantize(x: &[f32], rows: usize, k: usize, act: ActQuant, kernel: Kernel) -> Self {
+        let kp = k_padded(k);
+        let zp = match act {
+            ActQuant::Dynamic => 0,
+            ActQuant::Static { zero_point, .. } => zero_point,
+        };
+        let mut q = vec![0i32; k];
+        let mut acts =
+            Activations { bytes: Vec::new(), wide: Vec::new(), scales: vec![0.0; rows], offset: 0, kp };
+        if kernel.unsigned() {
+            acts.bytes = vec![0; rows * kp];
+            acts.offset = 128 + zp;
+        } else {
+            acts.wide = vec![0; rows * kp];
+        }
+        for r in 0..rows {
+            let row = &x[r * k..(r + 1) * k];
+            let scale = match act {
+                ActQuant::Dynamic => row.iter().fold(0.0f32, |m, v| m.max(v.abs())) / 127.0,
+                ActQuant::Static { scale, .. } => scale,
+            };
+            acts.scales[r] = scale;
+            quantize_row(row, scale, zp, &mut q);
+            if kernel.unsigned() {
+                for (b, v) in acts.bytes[r * kp..r * kp + k].iter_mut().zip(&q) {
+                    *b = (v + 128) as u8;
+                }
+            } else {
+                for (w, v) in acts.wide[r * kp..r * kp + k].iter_mut().zip(&q) {
+                    *w = (v - zp) as i16;
+                }
+            }
+        }
+        acts
+    }
+}
+
+/// `q = clamp(round_ties_even(x / scale) + zp, -128, 127)`; all zeros where `scale` is 0 (a
+/// row of zeros under dynamic quantization).
+fn quantize_row(row: &[f32], scale: f32, zp: i32, q: &mut [i32]) {
+    #[cfg(target_arch = "x86_64")]
+    if crate::simd::has_avx2_fma() && scale > 0.0 {
+        // SAFETY: the CPU has AVX2; `q` is as long as `row`.
+        return unsafe { x86::quantize_row(row, scale, zp, q) };
+    }
+    for (q, v) in q.iter_mut().zip(row) {
+        let r = if scale > 0.0 { (v / scale).round_ties_even() } else { 0.0 };
+        // `as` saturates (NaN to 0), and the clamp keeps the int8 range.
+        *q = ((r as i32).saturating_add(if scale > 0.0 { zp } else { 0 })).clamp(-128, 127);
+    }
+}
+
+/// One call's operands, shared by the team.
+struct Job<'a> {
+    acts: &'a Activations,
+    weights: &'a [u8],
+    sums: &'a [u8],
+    weight_scale: &'a [f32],
+    bias: Option<&'a [f32]>,
+    shape: W8a8Shape,
+    kernel: Kernel,
+}
+
+/// Rows of activations per micro-kernel call.
+const ROW_BLOCK: usize = 3;
+
+impl Job<'_> {
+    /// Every row's outputs for tile `tile`'s features.
+    ///
+    /// # Safety
+    /// `out` addresses `rows * out_features` elements, of which no other thread writes this
+    /// tile's columns.
+    unsafe fn tile(&self, tile: usize, out: *mut f32) {
+        let kp = self.acts.kp;
+        let weights = &self.weights[tile * TILE * kp..(tile + 1) * TILE * kp];
+        let mut sums = [0i32; TILE];
+        for (i, s) in sums.iter_mut().enumerate() {
+            let at = 4 * (tile * TILE + i);
+            *s = i32::from_le_bytes(self.sums[at..at + 4].try_into().expect("four bytes"));
+        }
+        for r0 in (0..self.shape.rows).step_by(ROW_BLOCK) {
+            let rows = ROW_BLOCK.min(self.shape.rows - r0);
+            let mut acc = [[0i32; TILE]; ROW_BLOCK];
+            self.products(weights, r0, rows, &mut acc);
+            for (r, acc) in acc.iter().enumerate().take(rows) {
+                self.write_row(r0 + r, tile, acc, &sums, out);
+            }
+        }
+    }
+
+    /// `acc[r][i] = Σ_k a[r0 + r, k] · qw[tile feature i, k]` in the kernel's activation form.
+    fn products(&self, weights: &[u8], r0: usize, rows: usize, acc: &mut [[i32; TILE]; ROW_BLOCK]) {
+        let kp = self.acts.kp;
+        #[cfg(target_arch = "x86_64")]
+        {
+            // SAFETY: `detect` chose the kernel for this CPU; the activation rows `r0..r0 + rows`
+            // hold `kp` elements each and `weights` one tile of `kp` quads.
+            match self.kernel {
+                Kernel::Avx512Vnni => {
+                    return unsafe { x86::vnni512(&self.acts.bytes[r0 * kp..], kp, weights, rows, acc) }
+                }
+                Kernel::AvxVnni => {
+                    return unsafe { x86::vnni256(&self.acts.bytes[r0 * kp..], kp, weights, rows, acc) }
+                }
+                Kernel::Avx2 => {
+                    return unsafe { x86::madd16(&self.acts.wide[r0 * kp..], kp, weights, rows, acc) }
+                }
+                Kernel::Portable => {}
+            }
+        }
+        portable(&self.acts.wide[r0 * kp..], kp, weights, rows, acc);
+    }
+
+    /// Scales row `r`'s products into `out` (only the real features of the tile).
+    unsafe fn write_row(&self, r: usize, tile: usize, acc: &[i32; TILE], sums: &[i32; TILE], out: *mut f32) {
+        let W8a8Shape { out_features, .. } = self.shape;
+        let s_x = self.acts.scales[r];
+        for i in 0..TILE.min(out_features - tile * TILE) {
+            let n = tile * TILE + i;
+            let dot = acc[i] - self.acts.offset * sums[i];
+            let value = s_x * self.weight_scale[n] * dot as f32 + self.bias.map_or(0.0, |b| b[n]);
+            *out.add(r * out_features + n) = value;
+        }
+    }
+}
+
+/// The reference product on i16 activations.
+fn portable(acts: &[i16], kp: usize, weights: &[u8], rows: usize, acc: &mut [[i32; TILE]; ROW_BLOCK]) {
+    for (r, acc) in acc.iter_mut().enumerate().take(rows) {
+        let a = &acts[r * kp..(r + 1) * kp];
+        for (j, quad) in weights.chunks_exact(TILE * QUAD).enumerate() {
+            for (b, &w) in quad.iter().enumerate() {
+                acc[b / QUAD] += i32::from(a[j * QUAD + b % QUAD]) * i32::from(w as i8);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::test_support::{assert_near, values};
+
+    /// The kernels this CPU runs.
+    fn kernels() -> Vec<Kernel> {
+        let all = [Kernel::Avx512Vnni, Kernel::AvxVnni, Kernel::Avx2, Kernel::Portable];
+        all.into_iter().filter(|k| *k == Kernel::Portable || kernel_runs(*k)).collect()
+    }
+
+    fn kernel_runs(kernel: Kernel) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        {
+            match kernel {
+                Kernel::Avx512Vnni => x86::has_avx512_vnni(),
+                Kernel::AvxVnni => x86::has_avx_vnni(),
+                Kernel::Avx2 => crate::simd::has_avx2_fma(),
+                Kernel::Portable => true,
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            kernel == Kernel::Portable
+        }
+    }
+
+    /// The definition, element by element: quantize each row, integer dot products, scale.
+    fn reference(
+        x: &[f32],
+        qw: &[i8],
+        ws: &[f32],
+        bias: &[f32],
+        act: ActQuant,
+        shape: W8a8Shape,
+    ) -> Vec<f32> {
+        let W8a8Shape { rows, out_features: n, in_features: k } = shape;
+        let mut out = vec![0.0; rows * n];
+        for r in 0..rows {
+            let row = &x[r * k..(r + 1) * k];
+            let (scale, zp) = match act {
+                ActQuant::Dynamic => (row.iter().fold(0.0f32, |m, v| m.max(v.abs())) / 127.0, 0),
+                ActQuant::Static { scale, zero_point } => (scale, zero_point),
+            };
+            let q: Vec<i64> = row
+                .iter()
+                .map(|v| {
+                    if scale > 0.0 {
+                        ((v / scale).round_ties_even() as i64 + i64::from(zp)).clamp(-128, 127)
+                    } else {
+                        0
+                    }
+                })
+                .collect();
+            for j in 0..n {
+                let dot: i64 = (0..k).map(|i| (q[i] - i64::from(zp)) * i64::from(qw[j * k + i])).sum();
+                out[r * n + j] = scale * ws[j] * dot as f32 + bias[j];
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn every_kernel_matches_the_definition() {
+        let shapes = [(1, 37, 64), (2, 16, 5), (3, 33, 100), (7, 17, 256), (33, 40, 31)];
+        let acts = [
+            ActQuant::Dynamic,
+            ActQuant::Static { scale: 0.004, zero_point: 3 },
+            ActQuant::Static { scale: 0.01, zero_point: -128 },
+        ];
+        for (rows, n, k) in shapes {
+            let shape = W8a8Shape { rows, out_features: n, in_features: k };
+            let mut x = values(rows * k, 1);
+            x[..k].fill(0.0); // a row of zeros: scale 0 under dynamic quantization
+            let qw: Vec<i8> =
+                (0..n * k).map(|i| (i as u32).wrapping_mul(2_654_435_761).rotate_right(9) as i8).collect();
+            let (ws, bias) = (values(n, 2), values(n, 3));
+            let mut packed = vec![0u8; w8a8_packed_len(n, k)];
+            w8a8_pack(&qw, &mut packed, n, k, 2).unwrap();
+            let weight = W8a8Weight { packed: &packed, weight_scale: &ws };
+            for act in acts {
+                let want = reference(&x, &qw, &ws, &bias, act, shape);
+                for kernel in kernels() {
+                    let mut out = vec![f32::NAN; rows * n];
+                    run(&x, weight, Some(&bias), act, &mut out, shape, 2, kernel);
+                    assert_near(&out, &want, &format!("{kernel:?} {act:?} {shape:?}"));
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn packs_quads_of_sixteen_features_then_their_sums() {
+        let (n, k) = (17, 6);
+        let qw: Vec<i8> = (0..n * k).map(|i| (i % 200) as i8).collect();
+        let mut packed = vec![0u8; w8a8_packed_len(n, k)];
+        w8a8_pack(&qw, &mut packed, n, k, 1).unwrap();
+        assert_eq!(packed.len(), 32 * 8 + 32 * 4);
+        assert_eq!(packed[4 * 3 + 1] as i8, qw[3 * k + 1]); // quad 0, feature 3, k 1
+        assert_eq!(packed[64 + 4 * 2 + 1] as i8, qw[2 * k + 5]); // quad 1, feature 2, k 5
+        assert_eq!(packed[64 + 4 * 2 + 2], 0); // k 6: padding
+        let sums = &packed[32 * 8..];
+        let sum = |i: usize| i32::from_le_bytes(sums[4 * i..4 * i + 4].try_into().unwrap());
+        assert_eq!(sum(16), qw[16 * k..17 * k].iter().map(|&v| i32::from(v)).sum::<i32>());
+        assert_eq!(sum(17), 0);
+    }
+
+    #[test]
+    fn refuses_static_settings_out_of_range() {
+        let shape = W8a8Shape { rows: 1, out_features: 1, in_features: 4 };
+        let packed = vec![0u8; w8a8_packed_len(1, 4)];
+        let weight = W8a8Weight { packed: &packed, weight_scale: &[1.0] };
+        let call =
+            |act| w8a8_linear(&[0.0; 4], weight, None, act, &mut [0.0], shape, 1).unwrap_err().to_string();
+        let err = call(ActQuant::Static { scale: 0.0, zero_point: 0 });
+        assert!(err.contains("`input_scale` must be finite and > 0. Given: 0"), "{err}");
+        let err = call(ActQuant::Static { scale: 1.0, zero_point: 200 });
+        assert!(err.contains("`input_zero_point` must be between -128 and 127. Given: 200"), "{err}");
+    }
+}
