@@ -21,7 +21,7 @@ pub mod matmul;
 mod subblocks;
 
 pub use dot::Isa;
-pub use matmul::{matmul, QuantWeight};
+pub use matmul::{matmul, matmul_on, QuantWeight};
 
 use crate::element::Element;
 use crate::error::{check_len, KernelError};
