@@ -23,6 +23,8 @@ __all__ = [
     "cpu_gemm_vectorized",
     "cpu_gemv",
     "cpu_gguf_dequantize",
+    "cpu_gguf_linear",
+    "cpu_gguf_linear_supported",
     "cpu_gguf_supported",
     "cpu_openmp_attach",
     "cpu_paged_decode",
@@ -416,5 +418,18 @@ def cpu_w8a8_linear(
     in_features: int,
     input_scale: float | None,
     input_zero_point: int,
+    threads: int,
+) -> None: ...
+def cpu_gguf_linear_supported(ggml_type: int) -> bool: ...
+def cpu_gguf_linear(
+    ggml_type: int,
+    weight: _Buffer,
+    row_stride: int,
+    out_features: int,
+    in_features: int,
+    x: _Buffer,
+    rows: int,
+    bias: _Buffer | None,
+    out: _Buffer,
     threads: int,
 ) -> None: ...

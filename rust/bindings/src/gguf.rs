@@ -1,10 +1,10 @@
-//! GGUF block decoding (`ferrollm_kernels::quant`) on numpy/torch memory.
+//! GGUF block decoding and products (`ferrollm_kernels::quant`) on numpy/torch memory.
 //!
-//! Buffers cross as `(address, length)` pairs, as in `cpu_kernels`: `data` is a tensor's bytes
-//! (usually a view of the memory-mapped file), `out` a contiguous float32 or bfloat16 tensor the
-//! caller has just allocated. The one caller is `ferrollm.kernels.cpu.gguf`.
+//! Buffers cross as `(address, length)` pairs, as in `cpu_kernels`: `data` and `weight` are a
+//! tensor's bytes (usually a view of the memory-mapped file), `out` a contiguous float32 or
+//! bfloat16 tensor the caller has just allocated. The one caller is `ferrollm.kernels.cpu.gguf`.
 
-use ferrollm_kernels::quant::{dequantize, GgmlType};
+use ferrollm_kernels::quant::{self, dequantize, GgmlType, QuantWeight};
 use ferrollm_kernels::{Bf16, Element};
 use pyo3::prelude::*;
 
@@ -38,6 +38,43 @@ pub fn cpu_gguf_dequantize(
             Err(raise("KernelError", format!("`dtype` must be 'float32' or 'bfloat16'. Given: '{other}'")))
         }
     }
+}
+
+/// Whether `cpu_gguf_linear` computes from blocks of the GGML type with this id.
+#[pyfunction]
+pub fn cpu_gguf_linear_supported(ggml_type: u32) -> bool {
+    GgmlType::from_id(ggml_type).is_some_and(quant::matmul::supported)
+}
+
+/// `out[rows, out_features] = x[rows, in_features] · Wᵀ + bias` (float32), `W` given by its
+/// blocks of GGML type `ggml_type`: `weight` spans `(address, bytes)` from row 0's first byte to
+/// the last row's last, row `n` starting `n * row_stride` bytes in.
+#[pyfunction]
+#[pyo3(signature = (ggml_type, weight, row_stride, out_features, in_features, x, rows, bias, out, threads))]
+#[allow(clippy::too_many_arguments)]
+pub fn cpu_gguf_linear(
+    py: Python<'_>,
+    ggml_type: u32,
+    weight: (usize, usize),
+    row_stride: usize,
+    out_features: usize,
+    in_features: usize,
+    x: (usize, usize),
+    rows: usize,
+    bias: Option<(usize, usize)>,
+    out: (usize, usize),
+    threads: usize,
+) -> PyResult<()> {
+    let Some(ggml_type) = GgmlType::from_id(ggml_type) else {
+        return Err(raise("KernelError", format!("GGML type {ggml_type} has no block product")));
+    };
+    // SAFETY: the caller passes live buffers of these lengths (see the module doc); `out` is a
+    // fresh tensor aliasing nothing, and nothing writes the inputs during the call.
+    let (data, x, bias, out) = unsafe {
+        (slice::<u8>(weight), slice::<f32>(x), bias.map(|b| slice::<f32>(b)), slice_mut::<f32>(out))
+    };
+    let weight = QuantWeight { ggml_type, data, row_stride, out_features, in_features };
+    py.detach(|| quant::matmul(&weight, x, rows, bias, out, threads)).map_err(kernel_error)
 }
 
 fn run<T: Element>(

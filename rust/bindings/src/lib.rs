@@ -41,6 +41,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(gguf::cpu_gguf_supported, m)?)?;
     m.add_function(wrap_pyfunction!(gguf::cpu_gguf_dequantize, m)?)?;
     quant_kernels::register(m)?;
+    m.add_function(wrap_pyfunction!(gguf::cpu_gguf_linear_supported, m)?)?;
+    m.add_function(wrap_pyfunction!(gguf::cpu_gguf_linear, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

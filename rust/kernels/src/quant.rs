@@ -5,15 +5,26 @@
 //! The per-block decoders live in [`blocks`], one small function per format, so a kernel that
 //! computes from quantized weights can decode a block where it needs it.
 //!
+//! [`matmul`] computes `x · Wᵀ` from the blocks themselves, in integers against activations
+//! quantized to 8 bits (`act`, `subblocks`, `dot`; see the [`matmul`](mod@matmul) module), so a
+//! GGUF weight stays as the file's bytes in memory.
+//!
 //! Costs: one pass over the blocks and one write of the output, so it is bound by writing the
 //! output (4 bytes per element against 0.5-1 read): ~7 GB/s of f32 into memory already touched on
 //! the 2-core development machine. The 135M-parameter Q4_1 SmolLM2 file decodes in 0.15-0.35 s
 //! into fresh tensors, most of it first touches of their pages; gguf-py's numpy took ~2 s.
 
+mod act;
 pub mod blocks;
+mod dot;
+pub mod matmul;
+mod subblocks;
 mod tiled;
 pub mod w8a8;
 pub mod wq;
+
+pub use dot::Isa;
+pub use matmul::{matmul, matmul_on, QuantWeight};
 
 use crate::element::Element;
 use crate::error::{check_len, KernelError};

@@ -1,9 +1,14 @@
-"""GGUF tensors to floats with the Rust block decoders (``rust/kernels/src/quant.rs``).
+"""GGUF tensors with the Rust block kernels (``rust/kernels/src/quant.rs``): decoded to floats,
+or multiplied in place.
 
 Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, F16 and BF16 decode on torch's OpenMP team, bit
 for bit as gguf-py's numpy ``gguf.quants.dequantize`` does (which stays the reference the tests
 compare against, and the path for the other GGML types). For the 135M-parameter Q4_1 SmolLM2
 file that is ~0.3 s instead of ~2 s on the 2-core development machine.
+
+:func:`gguf_linear` computes ``x @ W.T`` from the blocks themselves (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
+Q4_K, Q5_K, Q6_K), so a weight stays as the file's bytes: ``x`` is rounded to 8-bit blocks of 32
+(``|error| <= max|x_block| / 254`` per element) and met in integer dot products.
 """
 
 from __future__ import annotations
@@ -15,9 +20,12 @@ from ferrollm import _core
 from ferrollm.kernels.cpu import _threads
 from ferrollm.exceptions import KernelError
 
-__all__ = ["dequantize", "dequantize_supported"]
+__all__ = ["dequantize", "dequantize_supported", "gguf_linear", "gguf_linear_supported"]
 
 _DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
+# (elements, bytes) of one block of each type gguf_linear takes: GGML's layouts (ggml-common.h).
+_BLOCKS = {2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34),
+           12: (256, 144), 13: (256, 176), 14: (256, 210)}
 
 
 def dequantize_supported(ggml_type: int) -> bool:
@@ -51,4 +59,57 @@ def dequantize(data: np.ndarray, ggml_type: int, shape: tuple[int, ...],
     # `data` and `out` stay referenced here until the kernel returns.
     _core.cpu_gguf_dequantize(int(ggml_type), (address, data.nbytes), _DTYPES[dtype],
                               (out.data_ptr(), out.numel()), _threads())
+    return out
+
+
+def gguf_linear_supported(ggml_type: int) -> bool:
+    """Whether :func:`gguf_linear` computes from weights of this GGML type id."""
+    return _core.cpu_gguf_linear_supported(int(ggml_type))
+
+
+def gguf_linear(x: torch.Tensor, weight: torch.Tensor, ggml_type: int, in_features: int,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ W.T + bias`` with ``W`` given by its GGUF blocks, read in place on torch's threads.
+
+    Args:
+        x: float32 ``[rows, in_features]``.
+        weight: uint8 ``[out_features, row_bytes]``, each row ``in_features / block_len`` whole
+            blocks; ``weight.stride(1) == 1``, any row stride (a view of the file, or a
+            tensor-parallel shard of whole blocks).
+        ggml_type: its GGML type id; see :func:`gguf_linear_supported`.
+        in_features: elements per row of ``W``.
+        bias: float32 ``[out_features]``, or None.
+
+    Returns:
+        A fresh float32 ``[rows, out_features]``. It differs from ``x @ dequantize(W).T`` by the
+        rounding of ``x`` to 8 bits: at most ``Σ_blocks max|x_block| / 254 · Σ_block |w|`` per
+        element, plus float32 rounding.
+
+    Raises:
+        KernelError: for another type, dtypes or shapes that do not fit.
+    """
+    if ggml_type not in _BLOCKS:
+        raise KernelError(f"`ggml_type` must be one of {sorted(_BLOCKS)} (Q4_0 ... Q6_K). Given: {ggml_type}")
+    block_len, block_bytes = _BLOCKS[ggml_type]
+    if in_features % block_len:
+        raise KernelError(f"`in_features` must be a multiple of {block_len}. Given: {in_features}")
+    row_bytes = in_features // block_len * block_bytes
+    if weight.dtype != torch.uint8 or weight.dim() != 2 or weight.shape[1] != row_bytes or weight.stride(1) != 1:
+        raise KernelError(f"`weight` must be uint8 [out_features, {row_bytes}] with stride(1) == 1. Given: "
+                          f"{weight.dtype} {list(weight.shape)} strides {list(weight.stride())}")
+    if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != in_features:
+        raise KernelError(f"`x` must be float32 [rows, {in_features}]. Given: {x.dtype} {list(x.shape)}")
+    out_features = weight.shape[0]
+    if bias is not None and (bias.dtype != torch.float32 or tuple(bias.shape) != (out_features,)):
+        raise KernelError(f"`bias` must be float32 [{out_features}]. Given: {bias.dtype} {list(bias.shape)}")
+    x = x.contiguous()
+    bias = None if bias is None else bias.contiguous()
+    out = torch.empty(x.shape[0], out_features, dtype=torch.float32)
+    row_stride = weight.stride(0)
+    span = (out_features - 1) * row_stride + row_bytes if out_features else 0
+    # `x`, `weight`, `bias` and `out` stay referenced here until the kernel returns.
+    _core.cpu_gguf_linear(int(ggml_type), (weight.data_ptr(), span), row_stride, out_features, in_features,
+                          (x.data_ptr(), x.numel()), x.shape[0],
+                          None if bias is None else (bias.data_ptr(), bias.numel()),
+                          (out.data_ptr(), out.numel()), _threads())
     return out

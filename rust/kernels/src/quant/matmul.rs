@@ -1,0 +1,295 @@
+//! `out = x · Wᵀ + bias` where `W` is a GGUF tensor's own blocks, read in place (usually a view
+//! of the memory-mapped file): nothing is repacked or decoded into memory.
+//!
+//! The rows of `x` are quantized once per call ([`super::act`]); then the OpenMP team splits the
+//! output features, each thread streaming its weight rows once from memory. Rows of `x` go in
+//! tiles of up to [`MAX_TILE`], each weight block unpacked once per tile ([`super::dot`]); with
+//! more rows than one tile, a thread takes its weight rows in chunks of ~[`CHUNK_BYTES`] that
+//! stay in its L2 cache while every tile passes over them, so memory still serves each weight
+//! byte once per call.
+//!
+//! Invariants: weight row `n` starts at byte `n · row_stride` and holds `in_features /
+//! block_len` whole blocks; a tensor-parallel shard is such a view (the caller slices whole
+//! blocks). Results differ from `x · dequantize(W)ᵀ` by the activation rounding bounded in
+//! [`super::act`].
+
+use std::ops::Range;
+
+use super::act::{QuantizedRows, Row};
+use super::dot::{rows_dot, Isa, RowsDot};
+use super::GgmlType;
+use crate::error::check_len;
+use crate::{openmp, KernelError};
+
+/// Most rows of `x` one pass over a weight block serves: four accumulators per sub-block keep
+/// the AVX2 registers free of spills.
+pub const MAX_TILE: usize = 4;
+/// Weight bytes a thread keeps in cache while the tiles of `x` pass over them.
+const CHUNK_BYTES: usize = 128 * 1024;
+/// Fewer output rows per thread than this run on the calling thread alone.
+const MIN_ROWS_PER_THREAD: usize = 16;
+
+/// A GGUF weight `[out_features, in_features]` as its blocks.
+#[derive(Clone, Copy, Debug)]
+pub struct QuantWeight<'a> {
+    pub ggml_type: GgmlType,
+    /// From the first row's first byte to the last row's last byte (or further).
+    pub data: &'a [u8],
+    /// Bytes from one row's start to the next's; at least a row's blocks.
+    pub row_stride: usize,
+    pub out_features: usize,
+    /// A multiple of the type's block length.
+    pub in_features: usize,
+}
+
+impl QuantWeight<'_> {
+    /// Bytes of one row's blocks.
+    pub fn row_bytes(&self) -> usize {
+        self.in_features / self.ggml_type.block_len() * self.ggml_type.block_bytes()
+    }
+
+    fn row(&self, n: usize) -> &[u8] {
+        &self.data[n * self.row_stride..][..self.row_bytes()]
+    }
+
+    fn check(&self) -> Result<(), KernelError> {
+        let t = self.ggml_type;
+        if !supported(t) {
+            return Err(KernelError::Value {
+                name: "ggml_type",
+                limit: "a quantized type (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K or Q6_K)".into(),
+                value: t as i64,
+            });
+        }
+        if !self.in_features.is_multiple_of(t.block_len()) {
+            return Err(KernelError::Value {
+                name: "in_features",
+                limit: format!("a multiple of {t:?}'s block length {}", t.block_len()),
+                value: self.in_features as i64,
+            });
+        }
+        if self.out_features > 1 && self.row_stride < self.row_bytes() {
+            return Err(KernelError::Value {
+                name: "row_stride",
+                limit: format!("at least a row's {} bytes", self.row_bytes()),
+                value: self.row_stride as i64,
+            });
+        }
+        let needed =
+            self.out_features.checked_sub(1).map_or(0, |last| last * self.row_stride + self.row_bytes());
+        if self.data.len() < needed {
+            return Err(KernelError::Value {
+                name: "data",
+                limit: format!(
+                    "at least {needed} bytes ({} rows of stride {})",
+                    self.out_features, self.row_stride
+                ),
+                value: self.data.len() as i64,
+            });
+        }
+        Ok(())
+    }
+}
+
+/// Whether [`matmul`] computes from blocks of `ggml_type` (the quantized formats; not F16/BF16).
+pub fn supported(ggml_type: GgmlType) -> bool {
+    rows_dot::<1>(ggml_type, Isa::Portable).is_some()
+}
+
+/// `out[r, n] = Σ_k x[r, k] · W[n, k] + bias[n]` for `rows` rows of `x` (`[rows, in_features]`,
+/// row-major), into `out` (`[rows, out_features]`), on up to `threads` threads of the OpenMP
+/// team, with the best instruction set this CPU has.
+pub fn matmul(
+    weight: &QuantWeight<'_>,
+    x: &[f32],
+    rows: usize,
+    bias: Option<&[f32]>,
+    out: &mut [f32],
+    threads: usize,
+) -> Result<(), KernelError> {
+    matmul_on(Isa::detect(), weight, x, rows, bias, out, threads)
+}
+
+/// [`matmul`] with the products compiled for `isa`, which this CPU must have (see
+/// [`Isa::available`]); for tests and benchmarks of each path.
+pub fn matmul_on(
+    isa: Isa,
+    weight: &QuantWeight<'_>,
+    x: &[f32],
+    rows: usize,
+    bias: Option<&[f32]>,
+    out: &mut [f32],
+    threads: usize,
+) -> Result<(), KernelError> {
+    if !Isa::available().contains(&isa) {
+        return Err(KernelError::Value { name: "isa", limit: "one this CPU has".into(), value: isa as i64 });
+    }
+    weight.check()?;
+    check_len("x", x.len(), rows * weight.in_features)?;
+    check_len("out", out.len(), rows * weight.out_features)?;
+    if let Some(bias) = bias {
+        check_len("bias", bias.len(), weight.out_features)?;
+    }
+    let job = Job {
+        weight,
+        x: QuantizedRows::new(x, weight.in_features),
+        rows,
+        bias,
+        kernels: Kernels::new(weight.ggml_type, isa),
+    };
+    let team = threads.min(weight.out_features / MIN_ROWS_PER_THREAD).max(1);
+    let out = openmp::SharedMut(out.as_mut_ptr());
+    openmp::parallel(team, |thread, size| {
+        let span = openmp::share(weight.out_features, thread, size);
+        // SAFETY: threads get disjoint output features (columns of `out`, whose length was
+        // checked), `out` outlives `parallel`, and the kernels were picked for this CPU.
+        unsafe { job.run(span, &out) };
+    });
+    Ok(())
+}
+
+/// The products for tiles of 1 to [`MAX_TILE`] rows.
+struct Kernels {
+    one: RowsDot<1>,
+    two: RowsDot<2>,
+    three: RowsDot<3>,
+    four: RowsDot<4>,
+}
+
+impl Kernels {
+    fn new(t: GgmlType, isa: Isa) -> Self {
+        let missing = "checked by QuantWeight::check";
+        Kernels {
+            one: rows_dot(t, isa).expect(missing),
+            two: rows_dot(t, isa).expect(missing),
+            three: rows_dot(t, isa).expect(missing),
+            four: rows_dot(t, isa).expect(missing),
+        }
+    }
+}
+
+struct Job<'a> {
+    weight: &'a QuantWeight<'a>,
+    x: QuantizedRows,
+    rows: usize,
+    bias: Option<&'a [f32]>,
+    kernels: Kernels,
+}
+
+impl Job<'_> {
+    /// Output features `span` for every row.
+    ///
+    /// # Safety
+    /// `out` addresses `rows * out_features` floats of which no other thread writes the columns
+    /// in `span`; the kernels run on this CPU.
+    unsafe fn run(&self, span: Range<usize>, out: &openmp::SharedMut<f32>) {
+        let chunk = (CHUNK_BYTES / self.weight.row_bytes().max(1)).max(1);
+        let mut start = span.start;
+        while start < span.end {
+            let features = start..(start + chunk).min(span.end);
+            let mut first = 0;
+            while first < self.rows {
+                let x = |r: usize| self.x.row(first + r);
+                match self.rows - first {
+                    1 => self.tile(self.kernels.one, features.clone(), [x(0)], first, out),
+                    2 => self.tile(self.kernels.two, features.clone(), [x(0), x(1)], first, out),
+                    3 => self.tile(self.kernels.three, features.clone(), [x(0), x(1), x(2)], first, out),
+                    _ => self.tile(self.kernels.four, features.clone(), [x(0), x(1), x(2), x(3)], first, out),
+                }
+                first += MAX_TILE;
+            }
+            start = features.end;
+        }
+    }
+
+    /// Rows `first..first + M` of `x` against weight rows `features`.
+    ///
+    /// # Safety
+    /// As [`Job::run`].
+    unsafe fn tile<const M: usize>(
+        &self,
+        dot: RowsDot<M>,
+        features: Range<usize>,
+        xs: [Row<'_>; M],
+        first: usize,
+        out: &openmp::SharedMut<f32>,
+    ) {
+        let out_features = self.weight.out_features;
+        for n in features {
+            let dots = dot(self.weight.row(n), &xs);
+            let bias = self.bias.map_or(0.0, |b| b[n]);
+            for (r, dot) in dots.into_iter().enumerate() {
+                *out.get().add((first + r) * out_features + n) = dot + bias;
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::quant::dequantize;
+    use crate::quant::subblocks::tests::random_blocks;
+    use crate::test_support::{linear, values};
+
+    /// A weight of `out` rows of `t` blocks, each row padded by `pad` bytes (a strided view).
+    fn weight(t: GgmlType, out: usize, in_features: usize, pad: usize) -> (Vec<u8>, Vec<f32>, usize) {
+        let row_bytes = in_features / t.block_len() * t.block_bytes();
+        let blocks = random_blocks(t, out * in_features / t.block_len(), 7);
+        let stride = row_bytes + pad;
+        let mut data = vec![0xffu8; out * stride];
+        for (dst, src) in data.chunks_exact_mut(stride).zip(blocks.chunks_exact(row_bytes)) {
+            dst[..row_bytes].copy_from_slice(src);
+        }
+        let mut dense = vec![0.0f32; out * in_features];
+        dequantize(t, &blocks, &mut dense, 1).unwrap();
+        (data, dense, stride)
+    }
+
+    #[test]
+    fn strided_tiles_with_bias_match_dequantize_then_multiply() {
+        for t in [GgmlType::Q4_0, GgmlType::Q8_0, GgmlType::Q4K, GgmlType::Q6K] {
+            let (out_features, in_features) = (13, 2 * t.block_len().max(64));
+            let (data, dense, stride) = weight(t, out_features, in_features, 7);
+            let w = QuantWeight { ggml_type: t, data: &data, row_stride: stride, out_features, in_features };
+            for rows in [1, 3, 6] {
+                let (x, b) = (values(rows * in_features, 3), values(out_features, 4));
+                let mut out = vec![0.0f32; rows * out_features];
+                matmul(&w, &x, rows, Some(&b), &mut out, 2).unwrap();
+                let want = linear(&x, &dense, Some(&b), rows, out_features, in_features);
+                let l1 = dense.chunks(in_features).map(|w| w.iter().map(|v| v.abs()).sum::<f32>());
+                let scale = l1.fold(0.0f32, f32::max);
+                for (g, e) in out.iter().zip(&want) {
+                    // |x| <= 1, so each product moves by at most 1/254 of its weight (see `act`).
+                    assert!((g - e).abs() <= scale / 254.0 + 1e-4, "{t:?} rows={rows}: {g} vs {e}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn refuses_what_does_not_fit() {
+        let data = vec![0u8; 2 * 18];
+        let w = QuantWeight {
+            ggml_type: GgmlType::Q4_0,
+            data: &data,
+            row_stride: 18,
+            out_features: 2,
+            in_features: 32,
+        };
+        let mut out = vec![0.0f32; 2];
+        let run = |w: &QuantWeight<'_>, out: &mut [f32]| {
+            matmul(w, &[0.0; 32], 1, None, out, 1).unwrap_err().to_string()
+        };
+        assert!(run(&QuantWeight { ggml_type: GgmlType::F16, ..w }, &mut out)
+            .contains("`ggml_type` must be a quantized type"));
+        assert!(run(&QuantWeight { in_features: 48, ..w }, &mut out)
+            .contains("multiple of Q4_0's block length 32. Given: 48"));
+        assert!(run(&QuantWeight { row_stride: 17, ..w }, &mut out)
+            .contains("`row_stride` must be at least a row's 18 bytes"));
+        assert!(
+            run(&QuantWeight { row_stride: 19, ..w }, &mut out).contains("`data` must be at least 37 bytes")
+        );
+        assert!(run(&w, &mut [0.0; 3]).contains("`out` has 3 elements, the shape needs 2"));
+    }
+}

@@ -1,0 +1,103 @@
+"""`gguf_linear` (products from GGUF blocks in place) against `dequantize(...)` then `x @ w.T`.
+
+Tolerance: the kernel rounds each 32-element block of ``x`` to ``q * d`` with ``d = max|x_b| /
+127``, so each element moves by at most ``d / 2 = max|x_b| / 254``, and an output by at most
+``Σ_b max|x_b| / 254 · Σ_{i in b} |w_i|``: a bound computed per output element below, not a
+magic number. The integer sums are exact; float32 accumulation adds ``1e-5 · Σ|x||w|`` of slack.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
+
+from ferrollm.exceptions import KernelError
+from ferrollm.kernels.cpu.gguf import dequantize, gguf_linear, gguf_linear_supported
+
+Q = GGMLQuantizationType
+TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K]
+# gguf-py has no K-quant quantizer: random super-blocks, with these f16 scales kept finite.
+K_SCALES = {Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
+IN_FEATURES = 512  # two K super-blocks, sixteen legacy blocks
+
+
+def _blocks(qtype: GGMLQuantizationType, out_features: int, in_features: int, seed: int) -> np.ndarray:
+    """A weight as the file stores it: uint8 ``[out_features, row_bytes]``."""
+    rng = np.random.default_rng(seed)
+    if qtype not in K_SCALES:
+        return quants.quantize(rng.standard_normal((out_features, in_features), dtype=np.float32), qtype)
+    block_len, block_bytes = GGML_QUANT_SIZES[qtype]
+    rows = rng.integers(0, 256, size=(out_features, in_features // block_len, block_bytes), dtype=np.uint8)
+    for at in K_SCALES[qtype]:
+        rows[..., at + 1] &= 0x1f  # sign 0, exponent below 8: finite scales under 2^-7 · 2
+    return rows.reshape(out_features, -1)
+
+
+def _reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None):
+    """``x @ w.T + bias`` in float64 and the bound the 8-bit rounding of ``x`` keeps within."""
+    x64, w64 = x.double(), w.double()
+    want = x64 @ w64.T + (0 if bias is None else bias.double())
+    amax = x64.abs().unflatten(1, (-1, 32)).amax(dim=2)  # [rows, blocks]
+    l1 = w64.abs().unflatten(1, (-1, 32)).sum(dim=2)  # [out, blocks]
+    bound = (amax / 254) @ l1.T * (1 + 1e-5) + 1e-5 * (x64.abs() @ w64.abs().T) + 1e-6
+    return want, bound
+
+
+def _check(got: torch.Tensor, x, w, bias=None):
+    want, bound = _reference(x, w, bias)
+    assert got.dtype == torch.float32 and got.shape == want.shape
+    err = (got.double() - want).abs()
+    worst = (err / bound).max().item()
+    assert worst <= 1.0, f"error reaches {worst:.3f} of the bound"
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 7, 33])
+@pytest.mark.parametrize("qtype", TYPES)
+def test_matches_dequantize_then_matmul(qtype, rows):
+    out_features = 37  # odd, and enough rows that torch's team splits them
+    data = _blocks(qtype, out_features, IN_FEATURES, int(qtype))
+    w = dequantize(data, qtype, (out_features, IN_FEATURES))
+    x = torch.randn(rows, IN_FEATURES, generator=torch.Generator().manual_seed(rows)) * 3
+    assert gguf_linear_supported(qtype)
+    _check(gguf_linear(x, torch.from_numpy(data), qtype, IN_FEATURES), x, w)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q8_0, Q.Q5_K, Q.Q6_K])
+def test_row_strided_view_with_bias(qtype):
+    # A tensor-parallel shard: the second half of each row's blocks, a view of the whole weight.
+    out_features, whole = 5, 2 * IN_FEATURES
+    data = _blocks(qtype, out_features, whole, 3)
+    half = data.shape[1] // 2
+    shard = torch.from_numpy(data)[:, half:]
+    assert shard.stride(0) == 2 * half and not shard.is_contiguous()
+    w = dequantize(np.ascontiguousarray(data[:, half:]), qtype, (out_features, IN_FEATURES))
+    x = torch.randn(7, IN_FEATURES, generator=torch.Generator().manual_seed(0))
+    bias = torch.randn(out_features, generator=torch.Generator().manual_seed(1))
+    _check(gguf_linear(x, shard, qtype, IN_FEATURES, bias), x, w, bias)
+    _check(gguf_linear(x[:1], shard, qtype, IN_FEATURES, bias), x[:1], w, bias)
+
+
+def test_one_output_feature_and_no_rows():
+    data = _blocks(Q.Q4_1, 1, IN_FEATURES, 4)
+    w = dequantize(data, Q.Q4_1, (1, IN_FEATURES))
+    x = torch.randn(3, IN_FEATURES, generator=torch.Generator().manual_seed(2))
+    _check(gguf_linear(x, torch.from_numpy(data), Q.Q4_1, IN_FEATURES), x, w)
+    assert gguf_linear(x[:0], torch.from_numpy(data), Q.Q4_1, IN_FEATURES).shape == (0, 1)
+
+
+def test_types_and_shapes_that_do_not_fit_are_refused():
+    data = torch.from_numpy(_blocks(Q.Q4_0, 2, 64, 5))
+    x = torch.zeros(1, 64)
+    assert not gguf_linear_supported(Q.F16) and not gguf_linear_supported(Q.Q2_K)
+    with pytest.raises(KernelError, match="`ggml_type` must be one of"):
+        gguf_linear(x, data, Q.F16, 64)
+    with pytest.raises(KernelError, match="`in_features` must be a multiple of 32. Given: 48"):
+        gguf_linear(torch.zeros(1, 48), data, Q.Q4_0, 48)
+    with pytest.raises(KernelError, match=r"`weight` must be uint8 \[out_features, 36\]"):
+        gguf_linear(x, data[:, :30], Q.Q4_0, 64)
+    with pytest.raises(KernelError, match=r"`x` must be float32 \[rows, 64\]"):
+        gguf_linear(x.double(), data, Q.Q4_0, 64)
+    with pytest.raises(KernelError, match=r"`bias` must be float32 \[2\]"):
+        gguf_linear(x, data, Q.Q4_0, 64, torch.zeros(3))
