@@ -11,6 +11,7 @@
 //! into fresh tensors, most of it first touches of their pages; gguf-py's numpy took ~2 s.
 
 pub mod blocks;
+pub mod fp8;
 mod tiled;
 pub mod w8a8;
 pub mod wq;
