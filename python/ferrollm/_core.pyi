@@ -16,6 +16,7 @@ __all__ = [
     "StepReceiver",
     "Tokenizer",
     "__version__",
+    "cpu_fp8_linear",
     "cpu_gemm",
     "cpu_gemm_pack",
     "cpu_gemm_packed_len",
@@ -431,5 +432,20 @@ def cpu_gguf_linear(
     rows: int,
     bias: _Buffer | None,
     out: _Buffer,
+    threads: int,
+) -> None: ...
+def cpu_fp8_linear(
+    x: _Buffer,
+    weight: _Buffer,
+    weight_scale: _Buffer,
+    scale_kind: str,
+    block: tuple[int, int] | None,
+    bias: _Buffer | None,
+    out: _Buffer,
+    rows: int,
+    out_features: int,
+    in_features: int,
+    input_quant: str,
+    input_scale: float | None,
     threads: int,
 ) -> None: ...

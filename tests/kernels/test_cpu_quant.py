@@ -13,7 +13,13 @@ from __future__ import annotations
 import pytest
 import torch
 from ferrollm.exceptions import KernelError
-from ferrollm.kernels.cpu.quant import pack_int4, w8a8_linear, w8a8_pack, wq_linear
+from ferrollm.kernels.cpu.quant import (
+    fp8_linear,
+    pack_int4,
+    w8a8_linear,
+    w8a8_pack,
+    wq_linear,
+)
 
 ROWS = (1, 2, 3, 7, 33, 130)
 OUT_FEATURES = 37
@@ -144,3 +150,84 @@ def test_w8a8_takes_column_scales_and_tensor_settings():
         w8a8_linear(x, packed, weight_scale, None, 0.1, 128)
     with pytest.raises(KernelError, match="`packed` must have shape"):
         w8a8_linear(torch.randn(1, 60), packed, weight_scale)
+
+
+FP8 = torch.float8_e4m3fn
+
+
+def _fp8_weight(in_features: int, kind: str, gen: torch.Generator):
+    """An e4m3 weight, its scale of ``kind`` ('tensor', 'channel', 'block' of 16 x 32), the
+    block size, and the dequantized float32 weight."""
+    w8 = (torch.randn(OUT_FEATURES, in_features, generator=gen) * 40).clamp(-448, 448).to(FP8)
+    if kind == "tensor":
+        scale, block, full = torch.tensor(0.01), None, torch.tensor(0.01)
+    elif kind == "channel":
+        scale = torch.rand(OUT_FEATURES, 1, generator=gen) * 0.01
+        block, full = None, scale
+    else:
+        block = (16, 32)
+        scale = torch.rand(-(-OUT_FEATURES // 16), -(-in_features // 32), generator=gen) * 0.01
+        full = scale.repeat_interleave(16, 0)[:OUT_FEATURES].repeat_interleave(32, 1)[:, :in_features]
+    return w8, scale, block, w8.float() * full
+
+
+def _fp8_round(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``x / scale`` saturated and cast to e4m3 (ties to even), as vLLM's fp8 quantization."""
+    return (x / scale).clamp(-448, 448).to(FP8)
+
+
+@pytest.mark.parametrize("in_features", [64, 100, 896])
+@pytest.mark.parametrize("kind", ["tensor", "channel", "block"])
+@pytest.mark.parametrize("input_quant", ["none", "tensor", "static", "group"])
+def test_fp8_matches_the_dequantized_operands(in_features, kind, input_quant):
+    if input_quant == "group" and kind != "block":
+        pytest.skip("per-group activations go with block weights")
+    gen = torch.Generator().manual_seed(in_features + len(kind) + len(input_quant))
+    w8, scale, block, w = _fp8_weight(in_features, kind, gen)
+    bias = torch.randn(OUT_FEATURES, generator=gen)
+    for rows in ROWS:
+        x = torch.randn(rows, in_features, generator=gen)
+        static = 0.02
+        if input_quant == "none":
+            xq = x
+        elif input_quant == "group":
+            groups = x.split(32, dim=1)
+            xq = torch.cat([_fp8_round(g, g.abs().amax(1, keepdim=True) / 448).float()
+                            * (g.abs().amax(1, keepdim=True) / 448) for g in groups], dim=1)
+        else:
+            s = x.abs().max() / 448 if input_quant == "tensor" else torch.tensor(static)
+            xq = _fp8_round(x, s).float() * s
+        got = fp8_linear(x, w8, scale, bias, block, input_quant, static if input_quant == "static" else None)
+        _assert_matches(got, xq, w, bias)
+
+
+def test_fp8_per_tensor_agrees_with_torch_scaled_mm():
+    gen = torch.Generator().manual_seed(3)
+    w8, scale, _, _ = _fp8_weight(256, "tensor", gen)
+    x = torch.randn(33, 256, generator=gen)
+    s_x = x.abs().max() / 448
+    want = torch._scaled_mm(_fp8_round(x, s_x), w8.t(), scale_a=s_x.float(), scale_b=scale.float(),
+                            out_dtype=torch.float32)
+    got = fp8_linear(x, w8.view(torch.uint8), scale.view(1))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
+def test_fp8_nan_encodings_decode_to_nan():
+    w8 = torch.zeros(3, 64, dtype=torch.uint8)
+    w8[1, 5], w8[2, 40] = 0x7F, 0xFF
+    for rows in (1, 5):
+        got = fp8_linear(torch.ones(rows, 64), w8, torch.tensor(1.0), input_quant="none")
+        assert torch.equal(got.isnan(), torch.tensor([[False, True, True]] * rows))
+
+
+def test_fp8_refusals():
+    w8 = torch.zeros(OUT_FEATURES, 64, dtype=torch.uint8)
+    x = torch.randn(2, 64)
+    with pytest.raises(KernelError, match="needs block_size"):
+        fp8_linear(x, w8, torch.tensor(1.0), input_quant="group")
+    with pytest.raises(KernelError, match="`input_scale` must be given"):
+        fp8_linear(x, w8, torch.tensor(1.0), input_quant="static")
+    with pytest.raises(KernelError, match=r"`block_size` must be .* bi a multiple of 16. Given: \(1, 8\)"):
+        fp8_linear(x, w8, torch.ones(OUT_FEATURES, 8), block_size=(1, 8))
+    with pytest.raises(KernelError, match="`weight_scale` has 2 elements, the shape needs 37"):
+        fp8_linear(x, w8, torch.ones(2))

@@ -1,11 +1,12 @@
 //! The quantized CPU linear layers (`ferrollm_kernels::quant`: weight-only int4/int8, W8A8
-//! int8) on torch tensors' memory.
+//! int8, fp8 e4m3) on torch tensors' memory.
 //!
 //! Buffers cross as `(data_ptr, numel)` pairs, as in `cpu_kernels`. The one caller,
 //! `ferrollm.kernels.cpu.quant`, passes contiguous CPU tensors of the dtypes each function
 //! names, and outputs it has just allocated (so they alias no input); the kernels check every
 //! length against the shape they are given.
 
+use ferrollm_kernels::quant::fp8::{fp8_linear, Fp8Input, Fp8Scale, Fp8Shape, Fp8Weight};
 use ferrollm_kernels::quant::w8a8::{
     w8a8_linear, w8a8_pack, w8a8_packed_len, ActQuant, W8a8Shape, W8a8Weight,
 };
@@ -22,6 +23,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cpu_w8a8_packed_len, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_w8a8_pack, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_w8a8_linear, m)?)?;
+    m.add_function(wrap_pyfunction!(cpu_fp8_linear, m)?)?;
     Ok(())
 }
 
@@ -172,4 +174,60 @@ pub fn cpu_w8a8_linear(
     let shape = W8a8Shape { rows, out_features, in_features };
     let weight = W8a8Weight { packed, weight_scale };
     py.detach(|| w8a8_linear(x, weight, bias, act, out, shape, threads)).map_err(kernel_error)
+}
+
+/// `out[rows, out_features] = xq · wᵀ + bias` for e4m3fn `weight` bytes scaled per tensor
+/// (`scale_kind` 'tensor', one scale), per output feature ('channel') or per `block`
+/// ('block'); `input_quant` is 'none', 'tensor', 'static' (with `input_scale`) or 'group'.
+#[pyfunction]
+#[pyo3(signature = (x, weight, weight_scale, scale_kind, block, bias, out, rows, out_features, in_features, input_quant, input_scale, threads))]
+#[allow(clippy::too_many_arguments)]
+pub fn cpu_fp8_linear(
+    py: Python<'_>,
+    x: Buffer,
+    weight: Buffer,
+    weight_scale: Buffer,
+    scale_kind: &str,
+    block: Option<(usize, usize)>,
+    bias: Option<Buffer>,
+    out: Buffer,
+    rows: usize,
+    out_features: usize,
+    in_features: usize,
+    input_quant: &str,
+    input_scale: Option<f32>,
+    threads: usize,
+) -> PyResult<()> {
+    // SAFETY: see the module doc; `out` is a fresh tensor.
+    let (x, bytes, scales, bias, out) = unsafe {
+        (
+            view::<f32>(x),
+            view::<u8>(weight),
+            view::<f32>(weight_scale),
+            bias.map(|b| view::<f32>(b)),
+            view_mut::<f32>(out),
+        )
+    };
+    let scale = match (scale_kind, block) {
+        ("tensor", _) if scales.len() == 1 => Fp8Scale::Tensor(scales[0]),
+        ("channel", _) => Fp8Scale::Channel(scales),
+        ("block", Some((bo, bi))) => Fp8Scale::Block { scales, bo, bi },
+        _ => {
+            let msg = format!("`scale_kind` must be 'tensor' (one scale), 'channel' or 'block' (with `block`). Given: '{scale_kind}'");
+            return Err(raise("KernelError", msg));
+        }
+    };
+    let input = match (input_quant, input_scale) {
+        ("none", _) => Fp8Input::None,
+        ("tensor", _) => Fp8Input::Tensor,
+        ("static", Some(s)) => Fp8Input::Static(s),
+        ("group", _) => Fp8Input::Group,
+        _ => {
+            let msg = format!("`input_quant` must be 'none', 'tensor', 'static' (with `input_scale`) or 'group'. Given: '{input_quant}'");
+            return Err(raise("KernelError", msg));
+        }
+    };
+    let shape = Fp8Shape { rows, out_features, in_features };
+    let weight = Fp8Weight { bytes, scale };
+    py.detach(|| fp8_linear(x, weight, bias, input, out, shape, threads)).map_err(kernel_error)
 }

@@ -17,6 +17,7 @@
 mod act;
 pub mod blocks;
 mod dot;
+pub mod fp8;
 pub mod matmul;
 mod subblocks;
 mod tiled;

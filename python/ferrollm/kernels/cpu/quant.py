@@ -10,6 +10,10 @@ each weight once, more rows decode a small tile at a time (never the whole weigh
   quantized inside the call (per token, dynamically, or per tensor with a given scale and zero
   point), integer products (AVX512-VNNI / AVX-VNNI where the CPU has them, else AVX2's exact
   16-bit products); the weight is laid out once, at load, by :func:`w8a8_pack`.
+- :func:`fp8_linear`: float8_e4m3fn weights scaled per tensor, per output feature or per
+  block (DeepSeek-style ``weight_scale_inv``), decoded in registers (no fp8 units needed), with
+  activations kept in float32 or quantized to e4m3 and back (per tensor, dynamic or static, or
+  per token per block of inputs) as vLLM's fp8 paths quantize them.
 
 Activations are float32 ``[..., in_features]`` and so are the outputs; the kernels run on torch's
 OpenMP team (as :mod:`ferrollm.kernels.cpu`'s do) with ``torch.get_num_threads()`` threads.
@@ -25,7 +29,9 @@ from ferrollm import _core
 from ferrollm.exceptions import KernelError
 from ferrollm.kernels.cpu import _buf, _threads
 
-__all__ = ["pack_int4", "w8a8_linear", "w8a8_pack", "wq_linear"]
+__all__ = ["fp8_linear", "pack_int4", "w8a8_linear", "w8a8_pack", "wq_linear"]
+
+_FP8_INPUTS = ("none", "tensor", "static", "group")
 
 
 def _check(name: str, t: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...] | None = None) -> None:
@@ -172,4 +178,58 @@ def w8a8_linear(x: torch.Tensor, packed: torch.Tensor, weight_scale: torch.Tenso
     out = torch.empty((rows, out_features), dtype=torch.float32)
     _core.cpu_w8a8_linear(_buf(x2), _buf(packed), _buf(weight_scale), None if bias is None else _buf(bias), _buf(out),
                           rows, out_features, in_features, scale, int(input_zero_point), _threads())
+    return out.view(*x.shape[:-1], out_features)
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None,
+               block_size: tuple[int, int] | list[int] | None = None, input_quant: str = "tensor",
+               input_scale: float | torch.Tensor | None = None) -> torch.Tensor:
+    """``xq @ (e4m3(weight) * weight_scale).T + bias`` for an fp8 e4m3fn weight.
+
+    Args:
+        x: float32 ``[..., in_features]``.
+        weight: ``[out_features, in_features]``, torch.float8_e4m3fn or its torch.uint8 view.
+        weight_scale: float32: one scale (shape ``[]`` or ``[1]``), one per output feature
+            (``[out_features]`` or ``[out_features, 1]``), or with ``block_size=(bo, bi)`` one
+            per block, ``[ceil(out / bo), ceil(in / bi)]`` (``bi`` a multiple of 16).
+        bias: float32 ``[out_features]`` or None.
+        block_size: ``(bo, bi)`` for block scales, else None.
+        input_quant: ``"none"``: float32 activations (weight-only); ``"tensor"``: quantized to
+            e4m3 with ``s = max|x| / 448`` over the whole tensor (vLLM's dynamic fp8);
+            ``"static"``: with ``input_scale``; ``"group"``: per token per ``bi`` inputs
+            (block weights only). Quantized values saturate at ±448, ties to even.
+        input_scale: the static activation scale.
+
+    Returns:
+        float32 ``[..., out_features]``.
+
+    Raises:
+        KernelError: an argument of the wrong dtype, device or shape, an unknown
+            ``input_quant``, ``"group"`` without ``block_size``, a static scale missing or not
+            finite and positive.
+    """
+    x2 = _rows(x)
+    rows, in_features = x2.shape
+    if weight.dtype == torch.float8_e4m3fn:
+        weight = weight.view(torch.uint8)
+    if weight.dim() != 2 or weight.shape[1] != in_features:
+        raise KernelError(f"`weight` must be [out_features, {in_features}]. Given: {tuple(weight.shape)}")
+    out_features = weight.shape[0]
+    _check("weight", weight, torch.uint8)
+    if input_quant not in _FP8_INPUTS:
+        raise KernelError(f"`input_quant` must be one of {_FP8_INPUTS}. Given: {input_quant!r}")
+    if input_quant == "static" and input_scale is None:
+        raise KernelError("`input_scale` must be given with input_quant='static'. Given: None")
+    _check("weight_scale", weight_scale, torch.float32)
+    if block_size is not None:
+        bo, bi = (int(v) for v in block_size)
+        kind, block = "block", (bo, bi)
+    else:
+        kind, block = ("tensor" if weight_scale.numel() == 1 else "channel"), None
+    if bias is not None:
+        _check("bias", bias, torch.float32, (out_features,))
+    scale = None if input_scale is None else float(input_scale)
+    out = torch.empty((rows, out_features), dtype=torch.float32)
+    _core.cpu_fp8_linear(_buf(x2), _buf(weight), _buf(weight_scale), kind, block, None if bias is None else _buf(bias),
+                         _buf(out), rows, out_features, in_features, input_quant, scale, _threads())
     return out.view(*x.shape[:-1], out_features)
