@@ -2,9 +2,10 @@
 //! product.
 //!
 //! Every row of `x` is cut into 32-element blocks; block `b` keeps `q = round(x / d)` as `i8`,
-//! `d` itself and `d * Σq` (what a weight block's minimum multiplies). `d = max|x| / 127` over a *group*
-//! of blocks (so `|q| <= 127`, and negating `q` never overflows, which the signed products rely
-//! on): the weight's block length, 32 for the legacy formats, whose every block brings its own
+//! `d` itself and `d * Σq` (what a weight block's minimum multiplies), and each 16 elements keep
+//! `Σq` as `i16` (what Q6_K's offset of 32 multiplies, with its 16-element scales).
+//! `d = max|x| / 127` over a *group* of blocks (so `|q| <= 127`, and negating `q` never
+//! overflows, which the signed products rely on): the weight's block length, 32 for the legacy formats, whose every block brings its own
 //! float scale anyway, and 256 for the K-quants, so a super-block's eight sub-blocks share one
 //! activation scale and their integer sums add up before one conversion to float (`d` is
 //! stored per 32-block all the same, repeated within a group).
@@ -27,14 +28,17 @@ pub(crate) struct QuantizedRows {
     q: Vec<i8>,
     d: Vec<f32>,
     sum: Vec<f32>,
+    sum16: Vec<i16>,
 }
 
-/// One quantized row: `q.len() == BLOCK * d.len()`, and `sum` has one entry per block.
+/// One quantized row: `q.len() == BLOCK * d.len()`, `sum` has one entry per block and `sum16`
+/// two.
 #[derive(Clone, Copy)]
 pub(crate) struct Row<'a> {
     pub q: &'a [i8],
     pub d: &'a [f32],
     pub sum: &'a [f32],
+    pub sum16: &'a [i16],
 }
 
 impl QuantizedRows {
@@ -47,12 +51,17 @@ impl QuantizedRows {
             q: vec![0; blocks * BLOCK],
             d: vec![0.0; blocks],
             sum: vec![0.0; blocks],
+            sum16: vec![0; 2 * blocks],
         };
         let per_group = group / BLOCK;
         let groups = x.chunks_exact(group).zip(rows.q.chunks_exact_mut(group));
         let scales = rows.d.chunks_exact_mut(per_group).zip(rows.sum.chunks_exact_mut(per_group));
         for ((x, q), (d, sum)) in groups.zip(scales) {
             quantize_group(x, q, d, sum);
+        }
+        for (sum, q) in rows.sum16.iter_mut().zip(rows.q.chunks_exact(16)) {
+            // |Σq| <= 16 · 127 fits in i16.
+            *sum = q.iter().map(|&q| i16::from(q)).sum();
         }
         rows
     }
@@ -64,7 +73,8 @@ impl QuantizedRows {
         Row {
             q: &self.q[blocks.start * BLOCK..blocks.end * BLOCK],
             d: &self.d[blocks.clone()],
-            sum: &self.sum[blocks],
+            sum: &self.sum[blocks.clone()],
+            sum16: &self.sum16[2 * blocks.start..2 * blocks.end],
         }
     }
 }
@@ -121,6 +131,7 @@ mod tests {
         assert_eq!((row.q[5], row.q[0]), (-127, 16));
         let total: i32 = row.q.iter().map(|&q| i32::from(q)).sum();
         assert_eq!(row.sum[0], row.d[0] * total as f32);
+        assert_eq!(row.sum16, [5 * 16 - 127 + 10 * 16, 16 * 16]);
     }
 
     #[test]

@@ -5,9 +5,10 @@
 //! scale per 32 elements cost three more operations per sub-block and row.
 //!
 //! `vpdpbusd` has no 16-bit stage to apply a scale at, so the VNNI entries run this
-//! `vpmaddubsw` form too. Bounds: values `<= 31` unsigned (Q5_K) or `|q - 32| <= 32` signed
-//! (Q6_K) against `|xq| <= 127` keep pair sums under `vpmaddubsw`'s 16-bit saturation, and
-//! scales of 6 bits (or Q6_K's `i8`) keep eight sub-blocks' sums far inside `i32`.
+//! `vpmaddubsw` form too. Q6_K multiplies its unsigned `q` and takes `32 · Σ_g scale_g · Σ_g xq`
+//! off once per super-block, from the activation's 16-element sums. Bounds: values `<= 63`
+//! against `|xq| <= 127` keep pair sums under `vpmaddubsw`'s 16-bit saturation, and scales of
+//! 6 bits (Q6_K's: 8) keep eight sub-blocks' sums far inside `i32`.
 
 use std::arch::x86_64::*;
 
@@ -21,8 +22,8 @@ const SUBS: usize = 8;
 
 /// A K-quant super-block unpacked in registers.
 trait KQuant: Format {
-    /// Values are signed (Q6_K's `q - 32`), not unsigned.
-    const SIGNED: bool;
+    /// Values are stored plus 32 (Q6_K), with [`KQuant::scales16`] for their 16-element groups.
+    const OFFSET_32: bool = false;
     /// What the sub-blocks share.
     type Prep;
     /// # Safety
@@ -42,13 +43,19 @@ trait KQuant: Format {
     /// # Safety
     /// The CPU has AVX2.
     unsafe fn mins(prep: &Self::Prep) -> Option<__m256>;
+    /// The sixteen 16-element groups' scales, for [`KQuant::OFFSET_32`].
+    /// # Safety
+    /// The CPU has AVX2.
+    unsafe fn scales16(_prep: &Self::Prep) -> __m256i {
+        _mm256_setzero_si256()
+    }
 }
 
 #[inline(always)]
 unsafe fn k_body<F: KQuant, const M: usize>(row: &[u8], xs: &[Row<'_>; M]) -> [f32; M] {
     let blocks = row.len() / F::BYTES;
     for x in xs {
-        debug_assert!(x.d.len() >= blocks * SUBS && x.q.len() >= blocks * SUBS * BLOCK);
+        debug_assert!(x.d.len() >= blocks * SUBS && x.sum16.len() >= blocks * 2 * SUBS);
     }
     let mut acc = [_mm256_setzero_ps(); M];
     let mut min_acc = [_mm256_setzero_ps(); M];
@@ -57,15 +64,18 @@ unsafe fn k_body<F: KQuant, const M: usize>(row: &[u8], xs: &[Row<'_>; M]) -> [f
         let prep = F::prepare(block);
         let mut sums = [_mm256_setzero_si256(); M];
         for j in 0..SUBS {
-            let w = F::values(block, &prep, j);
-            let u = if F::SIGNED { _mm256_sign_epi8(w, w) } else { w };
+            let u = F::values(block, &prep, j);
             let scales = F::int_scales(&prep, j);
             for (sum, x) in sums.iter_mut().zip(xs) {
-                let mut xq = _mm256_loadu_si256(x.q.as_ptr().add((b * SUBS + j) * BLOCK).cast());
-                if F::SIGNED {
-                    xq = _mm256_sign_epi8(xq, w);
-                }
+                let xq = _mm256_loadu_si256(x.q.as_ptr().add((b * SUBS + j) * BLOCK).cast());
                 *sum = _mm256_add_epi32(*sum, _mm256_madd_epi16(_mm256_maddubs_epi16(u, xq), scales));
+            }
+        }
+        if F::OFFSET_32 {
+            let scales16 = F::scales16(&prep);
+            for (sum, x) in sums.iter_mut().zip(xs) {
+                let groups = _mm256_loadu_si256(x.sum16.as_ptr().add(b * 2 * SUBS).cast());
+                *sum = _mm256_sub_epi32(*sum, _mm256_slli_epi32::<5>(_mm256_madd_epi16(scales16, groups)));
             }
         }
         let mins = F::mins(&prep);
@@ -119,7 +129,6 @@ unsafe fn k_nibbles(qs: *const u8, j: usize) -> __m256i {
 }
 
 impl KQuant for Q4K {
-    const SIGNED: bool = false;
     type Prep = KScales;
     #[inline(always)]
     unsafe fn prepare(block: *const u8) -> Self::Prep {
@@ -146,7 +155,6 @@ impl KQuant for Q4K {
 }
 
 impl KQuant for Q5K {
-    const SIGNED: bool = false;
     type Prep = (KScales, __m256i);
     #[inline(always)]
     unsafe fn prepare(block: *const u8) -> Self::Prep {
@@ -176,17 +184,18 @@ impl KQuant for Q5K {
 }
 
 impl KQuant for Q6K {
-    const SIGNED: bool = true;
-    /// `d` and the sixteen `i8` scales of 16-element groups.
-    type Prep = (f32, [i8; 16]);
+    const OFFSET_32: bool = true;
+    /// `d`, the sixteen `i8` scales of 16-element groups, and them widened to `i16`.
+    type Prep = (f32, [i8; 16], __m256i);
     #[inline(always)]
     unsafe fn prepare(block: *const u8) -> Self::Prep {
         // `d` ends the block: `half` would read two bytes past it (past the tensor, at its end).
         let d = f16_to_f32(block.add(208).cast::<u16>().read_unaligned());
-        (d, block.add(192).cast::<[i8; 16]>().read_unaligned())
+        let scales = block.add(192).cast::<[i8; 16]>().read_unaligned();
+        (d, scales, _mm256_cvtepi8_epi16(_mm_loadu_si128(block.add(192).cast())))
     }
     /// Half `h = j / 4`, group `k = j % 4`: nibble `k / 2` of `ql[64h + 32 (k % 2)..][..32]`
-    /// and bits `2k, 2k + 1` of `qh[32h..][..32]` on top, less 32.
+    /// and bits `2k, 2k + 1` of `qh[32h..][..32]` on top.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn values(block: *const u8, _prep: &Self::Prep, j: usize) -> __m256i {
@@ -199,8 +208,7 @@ impl KQuant for Q6K {
         let high = _mm256_loadu_si256(block.add(128 + BLOCK * h).cast());
         let high =
             _mm256_and_si256(_mm256_srl_epi16(high, _mm_cvtsi32_si128(2 * k as i32)), _mm256_set1_epi8(3));
-        let q = _mm256_or_si256(low, _mm256_slli_epi16::<4>(high));
-        _mm256_sub_epi8(q, _mm256_set1_epi8(32))
+        _mm256_or_si256(low, _mm256_slli_epi16::<4>(high))
     }
     /// Pair sums 0-7 come from bytes 0-15 (group `2j`), 8-15 from bytes 16-31 (group `2j + 1`).
     #[inline]
@@ -216,6 +224,10 @@ impl KQuant for Q6K {
     #[inline(always)]
     unsafe fn mins(_prep: &Self::Prep) -> Option<__m256> {
         None
+    }
+    #[inline(always)]
+    unsafe fn scales16(prep: &Self::Prep) -> __m256i {
+        prep.2
     }
 }
 
