@@ -138,14 +138,25 @@ unsafe fn legacy_block<F: Legacy, D: IntDot, const M: usize, const SLOT: usize>(
     }
 }
 
-/// The f16 at `at`, which is followed by two more bytes of its block. Loading four bytes makes
-/// a `vmovd`, which writes the whole register: a two-byte load became `vpinsrw` into whichever
-/// register LLVM picked (the accumulator, once), chaining every block's scale to the last sum.
-#[inline]
-#[target_feature(enable = "avx2,f16c")]
-unsafe fn half(at: *const u8) -> f32 {
-    let bits = at.cast::<i32>().read_unaligned();
-    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits)))
+/// The f16 values at `at` and `at + 2` (the first two of four: the block holds eight bytes
+/// there), converted by `vcvtph2ps xmm, m64`, which writes the whole register. Written with
+/// intrinsics, LLVM shrank the load to the two bytes it needed and made it a `vpinsrw` into
+/// whichever register it picked (an accumulator, each time it was measured), so every block's
+/// scale waited on the previous block's sums: Q4_0 and Q8_0 ran at half speed. `asm!` keeps
+/// the eight-byte load.
+///
+/// # Safety
+/// `at` addresses eight readable bytes; the CPU has F16C.
+#[inline(always)]
+unsafe fn halves(at: *const u8) -> (f32, f32) {
+    let both: __m128;
+    std::arch::asm!(
+        "vcvtph2ps {both}, qword ptr [{at}]",
+        at = in(reg) at,
+        both = out(xmm_reg) both,
+        options(pure, readonly, nostack, preserves_flags),
+    );
+    (_mm_cvtss_f32(both), _mm_cvtss_f32(_mm_movehdup_ps(both)))
 }
 
 /// The 32 nibbles of `qs[..16]`: low nibbles in bytes 0-15, high ones in 16-31.
@@ -174,8 +185,8 @@ unsafe fn fifth_bits(qh: *const u8) -> __m256i {
     _mm256_and_si256(set, _mm256_set1_epi8(16))
 }
 
-/// A legacy format's [`Legacy`] and [`Kernel`] impls: scale `d` at byte 0, minimum `$min` (of
-/// `d` and the block), values `$values`.
+/// A legacy format's [`Legacy`] and [`Kernel`] impls: scale `d` at byte 0, minimum `$min` (a
+/// closure of the f16 after `d`), values `$values`.
 macro_rules! legacy {
     ($name:ty, signed: $signed:literal, |$block:ident, $d:ident| min: $min:expr, values: $values:expr) => {
         impl Legacy for $name {
@@ -183,8 +194,8 @@ macro_rules! legacy {
             #[inline]
             #[target_feature(enable = "avx2,fma,f16c")]
             unsafe fn scales($block: *const u8) -> (f32, f32) {
-                let $d = half($block);
-                ($d, $min)
+                let ($d, second) = halves($block);
+                ($d, $min(second))
             }
             #[inline]
             #[target_feature(enable = "avx2,fma,f16c")]
@@ -203,10 +214,11 @@ macro_rules! legacy {
 
 // Q4_0's `d (q - 8)` is `d q` with the minimum `-8 d`: one scalar multiply-add per block and
 // row, where subtracting `8 Σ xq` per lane took three vector operations.
-legacy!(super::Q4_0, signed: false, |b, d| min: -8.0 * d, values: nibbles(b.add(2)));
-legacy!(super::Q4_1, signed: false, |b, d| min: half(b.add(2)), values: nibbles(b.add(4)));
-legacy!(super::Q5_0, signed: false, |b, d| min: -16.0 * d,
+// `$min` gets the f16 after `d` (the minimum `m` where the block has one).
+legacy!(super::Q4_0, signed: false, |b, d| min: |_| -8.0 * d, values: nibbles(b.add(2)));
+legacy!(super::Q4_1, signed: false, |b, d| min: |m| m, values: nibbles(b.add(4)));
+legacy!(super::Q5_0, signed: false, |b, d| min: |_| -16.0 * d,
     values: _mm256_or_si256(nibbles(b.add(6)), fifth_bits(b.add(2))));
-legacy!(super::Q5_1, signed: false, |b, d| min: half(b.add(2)),
+legacy!(super::Q5_1, signed: false, |b, d| min: |m| m,
     values: _mm256_or_si256(nibbles(b.add(8)), fifth_bits(b.add(4))));
-legacy!(super::Q8_0, signed: true, |b, d| min: 0.0, values: _mm256_loadu_si256(b.add(2).cast()));
+legacy!(super::Q8_0, signed: true, |b, d| min: |_| 0.0, values: _mm256_loadu_si256(b.add(2).cast()));

@@ -13,7 +13,7 @@
 use std::arch::x86_64::*;
 
 use super::super::{Format, Q4K, Q5K, Q6K};
-use super::{half, IntDot, Kernel, Row, BLOCK};
+use super::{halves, IntDot, Kernel, Row, BLOCK};
 use crate::quant::blocks::f16_to_f32;
 use crate::simd::sum8;
 
@@ -110,12 +110,8 @@ unsafe fn k_scales(block: *const u8) -> KScales {
     let scales = u64::from(low & six) | (u64::from((rest & 0x0f0f_0f0f) | top(low)) << 32);
     let mins = u64::from(high & six) | (u64::from(((rest >> 4) & 0x0f0f_0f0f) | top(high)) << 32);
     let floats = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(mins as i64)));
-    let dmin = half(block.add(2));
-    KScales {
-        d: half(block),
-        scales: scales.to_le_bytes(),
-        mins: _mm256_mul_ps(floats, _mm256_set1_ps(-dmin)),
-    }
+    let (d, dmin) = halves(block);
+    KScales { d, scales: scales.to_le_bytes(), mins: _mm256_mul_ps(floats, _mm256_set1_ps(-dmin)) }
 }
 
 /// Sub-block `j`'s nibbles of a Q4_K/Q5_K `qs`: low (even `j`) or high (odd `j`) nibbles of
@@ -189,7 +185,7 @@ impl KQuant for Q6K {
     type Prep = (f32, [i8; 16], __m256i);
     #[inline(always)]
     unsafe fn prepare(block: *const u8) -> Self::Prep {
-        // `d` ends the block: `half` would read two bytes past it (past the tensor, at its end).
+        // `d` ends the block: `halves` would read six bytes past it (past the tensor, at its end).
         let d = f16_to_f32(block.add(208).cast::<u16>().read_unaligned());
         let scales = block.add(192).cast::<[i8; 16]>().read_unaligned();
         (d, scales, _mm256_cvtepi8_epi16(_mm_loadu_si128(block.add(192).cast())))
