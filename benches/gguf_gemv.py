@@ -17,7 +17,6 @@ Weights are random blocks with finite scales (speed does not depend on the value
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 
 import numpy as np
@@ -45,7 +44,9 @@ def _blocks(name: str, out_features: int, in_features: int, rng: np.random.Gener
 
 
 def _seconds_per_call(calls, repeats: int) -> float:
-    """Median over `repeats` passes (after a warm-up pass) of one pass's time per call."""
+    """Best of `repeats` passes (after a warm-up pass) of one pass's time per call: on a shared
+    machine a pass that lost a thread to another process for a time slice says nothing of the
+    kernel (medians of two-thread runs there swung 5x between runs)."""
     times = []
     for rep in range(repeats + 1):
         start = time.perf_counter()
@@ -53,7 +54,7 @@ def _seconds_per_call(calls, repeats: int) -> float:
             call()
         if rep:
             times.append((time.perf_counter() - start) / len(calls))
-    return statistics.median(times)
+    return min(times)
 
 
 def _copies(nbytes: int) -> int:

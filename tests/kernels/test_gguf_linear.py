@@ -1,9 +1,10 @@
 """`gguf_linear` (products from GGUF blocks in place) against `dequantize(...)` then `x @ w.T`.
 
-Tolerance: the kernel rounds each 32-element block of ``x`` to ``q * d`` with ``d = max|x_b| /
-127``, so each element moves by at most ``d / 2 = max|x_b| / 254``, and an output by at most
-``Σ_b max|x_b| / 254 · Σ_{i in b} |w_i|``: a bound computed per output element below, not a
-magic number. The integer sums are exact; float32 accumulation adds ``1e-5 · Σ|x||w|`` of slack.
+Tolerance: the kernel rounds ``x`` to ``q * d`` with ``d = max|x_g| / 127`` per group ``g`` of the
+weight's block length (32 elements; 256 for the K-quants), so each element moves by at most
+``d / 2 = max|x_g| / 254``, and an output by at most ``Σ_g max|x_g| / 254 · Σ_{i in g} |w_i|``: a
+bound computed per output element below, not a magic number. The integer sums are exact; float32
+accumulation adds ``1e-5 · Σ|x||w|`` of slack.
 """
 
 from __future__ import annotations
@@ -35,18 +36,18 @@ def _blocks(qtype: GGMLQuantizationType, out_features: int, in_features: int, se
     return rows.reshape(out_features, -1)
 
 
-def _reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None):
+def _reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, group: int):
     """``x @ w.T + bias`` in float64 and the bound the 8-bit rounding of ``x`` keeps within."""
     x64, w64 = x.double(), w.double()
     want = x64 @ w64.T + (0 if bias is None else bias.double())
-    amax = x64.abs().unflatten(1, (-1, 32)).amax(dim=2)  # [rows, blocks]
-    l1 = w64.abs().unflatten(1, (-1, 32)).sum(dim=2)  # [out, blocks]
+    amax = x64.abs().unflatten(1, (-1, group)).amax(dim=2)  # [rows, groups]
+    l1 = w64.abs().unflatten(1, (-1, group)).sum(dim=2)  # [out, groups]
     bound = (amax / 254) @ l1.T * (1 + 1e-5) + 1e-5 * (x64.abs() @ w64.abs().T) + 1e-6
     return want, bound
 
 
-def _check(got: torch.Tensor, x, w, bias=None):
-    want, bound = _reference(x, w, bias)
+def _check(got: torch.Tensor, qtype, x, w, bias=None):
+    want, bound = _reference(x, w, bias, GGML_QUANT_SIZES[qtype][0])
     assert got.dtype == torch.float32 and got.shape == want.shape
     err = (got.double() - want).abs()
     worst = (err / bound).max().item()
@@ -61,7 +62,7 @@ def test_matches_dequantize_then_matmul(qtype, rows):
     w = dequantize(data, qtype, (out_features, IN_FEATURES))
     x = torch.randn(rows, IN_FEATURES, generator=torch.Generator().manual_seed(rows)) * 3
     assert gguf_linear_supported(qtype)
-    _check(gguf_linear(x, torch.from_numpy(data), qtype, IN_FEATURES), x, w)
+    _check(gguf_linear(x, torch.from_numpy(data), qtype, IN_FEATURES), qtype, x, w)
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q8_0, Q.Q5_K, Q.Q6_K])
@@ -75,15 +76,15 @@ def test_row_strided_view_with_bias(qtype):
     w = dequantize(np.ascontiguousarray(data[:, half:]), qtype, (out_features, IN_FEATURES))
     x = torch.randn(7, IN_FEATURES, generator=torch.Generator().manual_seed(0))
     bias = torch.randn(out_features, generator=torch.Generator().manual_seed(1))
-    _check(gguf_linear(x, shard, qtype, IN_FEATURES, bias), x, w, bias)
-    _check(gguf_linear(x[:1], shard, qtype, IN_FEATURES, bias), x[:1], w, bias)
+    _check(gguf_linear(x, shard, qtype, IN_FEATURES, bias), qtype, x, w, bias)
+    _check(gguf_linear(x[:1], shard, qtype, IN_FEATURES, bias), qtype, x[:1], w, bias)
 
 
 def test_one_output_feature_and_no_rows():
     data = _blocks(Q.Q4_1, 1, IN_FEATURES, 4)
     w = dequantize(data, Q.Q4_1, (1, IN_FEATURES))
     x = torch.randn(3, IN_FEATURES, generator=torch.Generator().manual_seed(2))
-    _check(gguf_linear(x, torch.from_numpy(data), Q.Q4_1, IN_FEATURES), x, w)
+    _check(gguf_linear(x, torch.from_numpy(data), Q.Q4_1, IN_FEATURES), Q.Q4_1, x, w)
     assert gguf_linear(x[:0], torch.from_numpy(data), Q.Q4_1, IN_FEATURES).shape == (0, 1)
 
 

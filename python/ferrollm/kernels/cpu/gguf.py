@@ -7,8 +7,9 @@ compare against, and the path for the other GGML types). For the 135M-parameter 
 file that is ~0.3 s instead of ~2 s on the 2-core development machine.
 
 :func:`gguf_linear` computes ``x @ W.T`` from the blocks themselves (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
-Q4_K, Q5_K, Q6_K), so a weight stays as the file's bytes: ``x`` is rounded to 8-bit blocks of 32
-(``|error| <= max|x_block| / 254`` per element) and met in integer dot products.
+Q4_K, Q5_K, Q6_K), so a weight stays as the file's bytes: ``x`` is rounded to 8 bits with one scale
+per group of the weight's block length (32; 256 for the K-quants), ``|error| <= max|x_group| / 254``
+per element, and met in integer dot products.
 """
 
 from __future__ import annotations
@@ -82,8 +83,8 @@ def gguf_linear(x: torch.Tensor, weight: torch.Tensor, ggml_type: int, in_featur
 
     Returns:
         A fresh float32 ``[rows, out_features]``. It differs from ``x @ dequantize(W).T`` by the
-        rounding of ``x`` to 8 bits: at most ``Σ_blocks max|x_block| / 254 · Σ_block |w|`` per
-        element, plus float32 rounding.
+        rounding of ``x`` to 8 bits: at most ``Σ_groups max|x_group| / 254 · Σ_group |w|`` per
+        element (groups of the block length), plus float32 rounding.
 
     Raises:
         KernelError: for another type, dtypes or shapes that do not fit.

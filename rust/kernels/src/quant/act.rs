@@ -1,16 +1,17 @@
 //! Activations quantized to 8-bit blocks, so a GGUF weight block meets them in an integer dot
 //! product.
 //!
-//! Every row of `x` is cut into 32-element blocks; block `b` keeps `q = round(x / d)` as `i8`
-//! with `d = max|x| / 127` (so `|q| <= 127`, and negating `q` never overflows, which the signed
-//! products rely on), `d` itself, `d * Σq` (what a weight block's minimum multiplies), and the
-//! eight sums of four consecutive `q` (what an offset such as Q4_0's `- 8` multiplies, one per
-//! lane of the integer dot product). One block size serves every weight format: a K-quant's
-//! 32-element sub-blocks each meet their own activation scale, which is finer than one scale per
-//! 256 elements and costs one float multiply-add per 32 elements.
+//! Every row of `x` is cut into 32-element blocks; block `b` keeps `q = round(x / d)` as `i8`,
+//! `d` itself and `d * Σq` (what a weight block's minimum multiplies), and each 16 elements keep
+//! `Σq` as `i16` (what Q6_K's offset of 32 multiplies, with its 16-element scales).
+//! `d = max|x| / 127` over a *group* of blocks (so `|q| <= 127`, and negating `q` never
+//! overflows, which the signed products rely on): the weight's block length, 32 for the legacy formats, whose every block brings its own
+//! float scale anyway, and 256 for the K-quants, so a super-block's eight sub-blocks share one
+//! activation scale and their integer sums add up before one conversion to float (`d` is
+//! stored per 32-block all the same, repeated within a group).
 //!
 //! Error: `|x - d q| <= d / 2 = max|x| / 254` per element, so a dot product with weights `w`
-//! moves by at most `Σ_b max_b|x| / 254 · Σ_{i in b} |w_i|` (plus float rounding).
+//! moves by at most `Σ_g max_g|x| / 254 · Σ_{i in g} |w_i|` over the groups (plus float rounding).
 //!
 //! Costs: one pass over `x` (O(rows · in_features)), against the weight's `out_features` times
 //! as many multiply-adds; the rows are quantized once per call.
@@ -27,31 +28,41 @@ pub(crate) struct QuantizedRows {
     q: Vec<i8>,
     d: Vec<f32>,
     sum: Vec<f32>,
-    sum4: Vec<[i32; 8]>,
+    sum16: Vec<i16>,
 }
 
-/// One quantized row: `q.len() == BLOCK * d.len()`, and `sum`, `sum4` have one entry per block.
+/// One quantized row: `q.len() == BLOCK * d.len()`, `sum` has one entry per block and `sum16`
+/// two.
 #[derive(Clone, Copy)]
 pub(crate) struct Row<'a> {
     pub q: &'a [i8],
     pub d: &'a [f32],
     pub sum: &'a [f32],
-    pub sum4: &'a [[i32; 8]],
+    pub sum16: &'a [i16],
 }
 
 impl QuantizedRows {
-    /// Quantizes `x`, `rows` rows of `in_features` (a multiple of [`BLOCK`]; the caller checked
-    /// both lengths).
-    pub(crate) fn new<T: Element>(x: &[T], in_features: usize) -> Self {
+    /// Quantizes `x`, rows of `in_features`, with one scale per `group` elements (32 or 256;
+    /// `in_features` is a multiple of it, and `x` of `in_features`: the caller checked).
+    pub(crate) fn new<T: Element>(x: &[T], in_features: usize, group: usize) -> Self {
         let blocks = x.len() / BLOCK;
         let mut rows = QuantizedRows {
             in_features,
             q: vec![0; blocks * BLOCK],
             d: vec![0.0; blocks],
             sum: vec![0.0; blocks],
-            sum4: vec![[0; 8]; blocks],
+            sum16: vec![0; 2 * blocks],
         };
-        quantize_blocks(x, &mut rows.q, &mut rows.d, &mut rows.sum, &mut rows.sum4);
+        let per_group = group / BLOCK;
+        let groups = x.chunks_exact(group).zip(rows.q.chunks_exact_mut(group));
+        let scales = rows.d.chunks_exact_mut(per_group).zip(rows.sum.chunks_exact_mut(per_group));
+        for ((x, q), (d, sum)) in groups.zip(scales) {
+            quantize_group(x, q, d, sum);
+        }
+        for (sum, q) in rows.sum16.iter_mut().zip(rows.q.chunks_exact(16)) {
+            // |Σq| <= 16 · 127 fits in i16.
+            *sum = q.iter().map(|&q| i16::from(q)).sum();
+        }
         rows
     }
 
@@ -63,31 +74,25 @@ impl QuantizedRows {
             q: &self.q[blocks.start * BLOCK..blocks.end * BLOCK],
             d: &self.d[blocks.clone()],
             sum: &self.sum[blocks.clone()],
-            sum4: &self.sum4[blocks],
+            sum16: &self.sum16[2 * blocks.start..2 * blocks.end],
         }
     }
 }
 
-multiversion!(fn quantize_blocks<T>(x: &[T], q: &mut [i8], d: &mut [f32], sum: &mut [f32], sum4: &mut [[i32; 8]]) => quantize_body);
+multiversion!(fn quantize_group<T>(x: &[T], q: &mut [i8], d: &mut [f32], sum: &mut [f32]) => quantize_body);
 
+/// One group: its scale into every block's `d`, and each block's `d · Σq`.
 #[inline(always)]
-fn quantize_body<T: Element>(x: &[T], q: &mut [i8], d: &mut [f32], sum: &mut [f32], sum4: &mut [[i32; 8]]) {
-    let blocks = x.chunks_exact(BLOCK).zip(q.chunks_exact_mut(BLOCK));
-    for (((x, q), d), (sum, sum4)) in blocks.zip(d).zip(sum.iter_mut().zip(sum4)) {
-        let mut v = [0.0f32; BLOCK];
-        for (v, x) in v.iter_mut().zip(x) {
-            *v = x.to_f32();
-        }
-        let amax = v.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-        *d = amax / 127.0;
-        let inverse = if amax > 0.0 { 127.0 / amax } else { 0.0 };
-        for (q, v) in q.iter_mut().zip(v) {
-            *q = round_to_int(v * inverse) as i8;
-        }
-        for (s, four) in sum4.iter_mut().zip(q.chunks_exact(4)) {
-            *s = four.iter().map(|&q| i32::from(q)).sum();
-        }
-        *sum = *d * sum4.iter().sum::<i32>() as f32;
+fn quantize_body<T: Element>(x: &[T], q: &mut [i8], d: &mut [f32], sum: &mut [f32]) {
+    let amax = x.iter().fold(0.0f32, |m, v| m.max(v.to_f32().abs()));
+    let scale = amax / 127.0;
+    let inverse = if amax > 0.0 { 127.0 / amax } else { 0.0 };
+    for (q, v) in q.iter_mut().zip(x) {
+        *q = round_to_int(v.to_f32() * inverse) as i8;
+    }
+    for ((d, sum), q) in d.iter_mut().zip(sum).zip(q.chunks_exact(BLOCK)) {
+        *d = scale;
+        *sum = scale * q.iter().map(|&q| i32::from(q)).sum::<i32>() as f32;
     }
 }
 
@@ -107,7 +112,7 @@ mod tests {
     #[test]
     fn blocks_reconstruct_within_half_a_step() {
         let x: Vec<f32> = values(2 * 96, 3).iter().enumerate().map(|(i, v)| v * (1 + i % 7) as f32).collect();
-        let rows = QuantizedRows::new(&x, 96);
+        let rows = QuantizedRows::new(&x, 96, BLOCK);
         for r in 0..2 {
             let row = rows.row(r);
             for (i, v) in x[r * 96..(r + 1) * 96].iter().enumerate() {
@@ -118,23 +123,34 @@ mod tests {
     }
 
     #[test]
-    fn the_largest_element_maps_to_127_and_sums_follow_q() {
+    fn the_largest_element_maps_to_127_and_the_sum_follows_q() {
         let mut x = vec![0.25f32; BLOCK];
         x[5] = -2.0;
-        let rows = QuantizedRows::new(&x, BLOCK);
+        let rows = QuantizedRows::new(&x, BLOCK, BLOCK);
         let row = rows.row(0);
         assert_eq!((row.q[5], row.q[0]), (-127, 16));
-        assert_eq!(row.sum4[0], [4 * 16, 3 * 16 - 127, 64, 64, 64, 64, 64, 64]);
         let total: i32 = row.q.iter().map(|&q| i32::from(q)).sum();
         assert_eq!(row.sum[0], row.d[0] * total as f32);
+        assert_eq!(row.sum16, [5 * 16 - 127 + 10 * 16, 16 * 16]);
     }
 
     #[test]
     fn a_zero_block_quantizes_to_zeros() {
-        let rows = QuantizedRows::new(&[0.0f32; BLOCK], BLOCK);
+        let rows = QuantizedRows::new(&[0.0f32; BLOCK], BLOCK, BLOCK);
         let row = rows.row(0);
         assert!(row.q.iter().all(|&q| q == 0));
         assert_eq!((row.d[0], row.sum[0]), (0.0, 0.0));
+    }
+
+    #[test]
+    fn a_group_of_eight_blocks_shares_its_largest_scale() {
+        let x: Vec<f32> = (0..512).map(|i| if i == 300 { 5.08 } else { (i % 9) as f32 * 0.1 }).collect();
+        let rows = QuantizedRows::new(&x, 512, 256);
+        let row = rows.row(0);
+        assert!(row.d[..8].iter().all(|&d| d == 0.8 / 127.0), "group 0's largest is x[8] = 0.8");
+        assert!(row.d[8..].iter().all(|&d| d == 5.08 / 127.0), "group 1's largest is x[300]");
+        assert_eq!((row.q[8], row.q[300], row.q[263]), (127, 127, 5));
+        assert_eq!(row.sum[1], row.d[1] * row.q[32..64].iter().map(|&q| i32::from(q)).sum::<i32>() as f32);
     }
 
     #[test]

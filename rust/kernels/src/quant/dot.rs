@@ -13,7 +13,9 @@
 //!
 //! - portable: the unpacked form, scalar, for CPUs without AVX2 (and the tests' second opinion);
 //! - `x86`: AVX2 (`vpmaddubsw` + `vpmaddwd`), or `vpdpbusd` from AVX-VNNI or AVX512-VNNI (on
-//!   256-bit vectors, whose 32 bytes are one sub-block), blocks unpacked in registers.
+//!   256-bit vectors, whose 32 bytes are one sub-block), blocks unpacked in registers. The
+//!   K-quants' activations share one scale per super-block, so there the sub-blocks' integer
+//!   scales apply in integers and the float work is per 256 elements (`x86::kquants`).
 
 #[cfg(target_arch = "x86_64")]
 mod x86;
@@ -190,16 +192,16 @@ mod tests {
     ];
 
     /// `x · w` in f64 for each of `rows` rows, and the bound activation quantization keeps the
-    /// integer product within (see `act`): `Σ_b max_b|x| / 254 · Σ_{i in b} |w_i|`, plus 1e-5
-    /// of `Σ|x||w|` for the f32 accumulation.
-    fn reference(x: &[f32], w: &[f32], rows: usize) -> Vec<(f64, f64)> {
+    /// integer product within (see `act`): `Σ_g max_g|x| / 254 · Σ_{i in g} |w_i|` over groups
+    /// of `group`, plus 1e-5 of `Σ|x||w|` for the f32 accumulation.
+    fn reference(x: &[f32], w: &[f32], rows: usize, group: usize) -> Vec<(f64, f64)> {
         let k = w.len();
         (0..rows)
             .map(|r| {
                 let x = &x[r * k..(r + 1) * k];
                 let dot = x.iter().zip(w).map(|(a, b)| f64::from(*a) * f64::from(*b)).sum();
                 let mut bound = 0.0;
-                for (xb, wb) in x.chunks(BLOCK).zip(w.chunks(BLOCK)) {
+                for (xb, wb) in x.chunks(group).zip(w.chunks(group)) {
                     let amax = xb.iter().fold(0.0f64, |m, v| m.max(f64::from(v.abs())));
                     let l1: f64 = wb.iter().map(|v| f64::from(v.abs())).sum();
                     let abs: f64 = xb.iter().zip(wb).map(|(a, b)| f64::from((a * b).abs())).sum();
@@ -217,12 +219,12 @@ mod tests {
         dequantize(t, &row, &mut w, 1).unwrap();
         let x: Vec<f32> =
             values(M * k, seed).iter().enumerate().map(|(i, v)| v * (1 + i % 5) as f32).collect();
-        let q = QuantizedRows::new(&x, k);
+        let q = QuantizedRows::new(&x, k, t.block_len());
         let rows: [Row<'_>; M] = std::array::from_fn(|r| q.row(r));
         let dot = rows_dot::<M>(t, isa).unwrap();
         // SAFETY: the rows cover the weight row; `isa` is one this CPU has.
         let got = unsafe { dot(&row, &rows) };
-        for (r, (want, bound)) in reference(&x, &w, M).into_iter().enumerate() {
+        for (r, (want, bound)) in reference(&x, &w, M, t.block_len()).into_iter().enumerate() {
             let err = (f64::from(got[r]) - want).abs();
             assert!(err <= bound, "{t:?} {isa:?} M={M} row {r}: {} vs {want} (bound {bound})", got[r]);
         }
@@ -248,7 +250,7 @@ mod tests {
             let row = random_blocks(t, 3, 9);
             let k = 3 * t.block_len();
             let x = values(2 * k, 9);
-            let q = QuantizedRows::new(&x, k);
+            let q = QuantizedRows::new(&x, k, t.block_len());
             let rows = [q.row(0), q.row(1)];
             // SAFETY: as above.
             let want = unsafe { rows_dot::<2>(t, Isa::Portable).unwrap()(&row, &rows) };

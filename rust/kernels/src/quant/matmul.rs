@@ -132,7 +132,7 @@ pub fn matmul_on(
     }
     let job = Job {
         weight,
-        x: QuantizedRows::new(x, weight.in_features),
+        x: QuantizedRows::new(x, weight.in_features, weight.ggml_type.block_len()),
         rows,
         bias,
         kernels: Kernels::new(weight.ggml_type, isa),
