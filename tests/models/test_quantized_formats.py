@@ -5,9 +5,9 @@ running the dequantized weights.
 Where activations are quantized too (fp8, int8), the reference quantizes each linear layer's input
 the way vLLM does (`_quantize_inputs`). Tolerances: 1e-4 where only weights are quantized (float32
 summation order); where activations are rounded to 8 bits, an input within float32 rounding of a
-rounding tie falls either side of it in the two engines: a crossed e4m3 step moved a logit by
-4e-4 here (1e-3 allowed), a crossed int8 step (1/127 of the token's largest value) by up to 0.083
-over a prompt (0.15 allowed); the greedy tokens must agree all the same.
+rounding tie falls either side of it in the two engines: a crossed e4m3 step (1/8 of the value's
+power of two) moved a logit by up to 0.15 here (0.2 allowed), a crossed int8 step (1/127 of the
+token's largest value) by up to 0.083 (0.15 allowed); the greedy tokens must agree all the same.
 """
 
 from __future__ import annotations
@@ -110,7 +110,7 @@ def test_fp8_checkpoint(tmp_path, kind):
     _quantize_inputs(reference, {"dynamic": "fp8_tensor", "static": "fp8_static", "block": "fp8_group"}[kind], 0.05)
     # A dynamic per-tensor scale spans every row of a step, as in vLLM: one request at a time,
     # so the engine's steps hold the rows transformers' forward passes do.
-    _check(_load(tmp_path), reference, atol=1e-3, num_prompts=1 if kind == "dynamic" else 3, per_step=kind == "dynamic")
+    _check(_load(tmp_path), reference, atol=0.2, num_prompts=1 if kind == "dynamic" else 3, per_step=kind == "dynamic")
 
 
 def _dequantized(model, quantize) -> dict[str, torch.Tensor]:
@@ -136,7 +136,7 @@ def test_quantization_argument_quantizes_a_float_checkpoint(tmp_path, method):
     finally:
         os.environ.pop("RTN_GROUP_SIZE", None) if method == "rtn" else None
     # fp8's per-tensor scale covers q, k and v apart here, as one tensor each: the reference too.
-    _check(ours, reference, atol={"rtn": 1e-4, "fp8": 1e-3, "int8": 0.15}[method],
+    _check(ours, reference, atol={"rtn": 1e-4, "fp8": 0.2, "int8": 0.15}[method],
            num_prompts=1 if method == "fp8" else 3, per_step=method == "fp8")
 
 

@@ -75,6 +75,8 @@ class QuantizedLinear:
         if isinstance(w, qw.Int8ActWeight):
             return k.w8a8_linear(x, self.packed, w.scale, bias, w.input_scale, w.input_zero_point)
         assert isinstance(w, qw.Fp8Weight)
+        if w.input_quant == "token":
+            return _fp8_per_token(k, x, self.packed, w, bias)
         return k.fp8_linear(x, self.packed, w.scale, bias, w.block, w.input_quant, w.input_scale)
 
     # -- what the rest of the engine asks ----------------------------------------------------
@@ -88,6 +90,19 @@ class QuantizedLinear:
             if isinstance(t, torch.Tensor):
                 held.append(t)
         return {t.data_ptr(): t.numel() * t.element_size() for t in held if t.numel()}
+
+
+def _fp8_per_token(k, x: torch.Tensor, weight: torch.Tensor, w: qw.Fp8Weight, bias: torch.Tensor | None) -> torch.Tensor:
+    """Per-token dynamic fp8 inputs (compressed-tensors' FP8_DYNAMIC): each row is rounded to e4m3
+    with its own scale (``max |x_r| / 448``) here, the kernel multiplies the already-e4m3 rows
+    with a unit static scale (an exact no-op rounding), and the row scales apply to the product."""
+    scale = (x.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
+    rows = (x / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).to(x.dtype)
+    y = k.fp8_linear(rows, weight, w.scale, None, w.block, "static", 1.0) * scale
+    return y if bias is None else y + bias
+
+
+FP8_MAX = 448.0
 
 
 def _kernels(on_cpu: bool):
