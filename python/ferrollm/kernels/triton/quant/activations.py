@@ -171,13 +171,18 @@ def scaled_fp8_quant(x: torch.Tensor, scale: torch.Tensor | None = None,
     return q.view(torch.float8_e4m3fn), s
 
 
+def _divide(numerator: float, t: torch.Tensor) -> torch.Tensor:
+    # ``number / tensor`` is ``tensor.reciprocal() * number`` in torch, rounded twice.
+    return torch.full_like(t, numerator) / t
+
+
 def scaled_int8_quant_ref(x: torch.Tensor, scale: torch.Tensor | None = None,
                           zero_point: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Torch reference of :func:`scaled_int8_quant` (the same float32 operations)."""
     rows = x.reshape(-1, x.shape[-1]).float()
     if scale is None:
         amax = rows.abs().amax(dim=1) if rows.shape[1] else rows.new_zeros(rows.shape[0])
-        inv = torch.where(amax > 0, INT8_MAX / amax.clamp_min(1e-30), 0.0)
+        inv = torch.where(amax > 0, _divide(INT8_MAX, amax.clamp_min(1e-30)), 0.0)
         q = torch.round((rows * inv[:, None]).clamp(-128, 127))  # torch.round ties to even
         return q.to(torch.int8), amax / INT8_MAX
     s = scale.reshape(1).float()
@@ -199,5 +204,5 @@ def scaled_fp8_quant_ref(x: torch.Tensor, scale: torch.Tensor | None = None,
         amax = rows.abs().max() if rows.numel() else rows.new_zeros(())
         scale = amax / FP8_MAX
     s = scale.reshape(1).float()
-    inv = torch.where(s > 0, 1.0 / s.clamp_min(1e-30), 0.0)
+    inv = torch.where(s > 0, _divide(1.0, s.clamp_min(1e-30)), 0.0)
     return (rows * inv).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), s
