@@ -63,7 +63,8 @@ def compile_launch(fn: JITFunction, args: tuple, kwargs: dict, sm: int):
         else:
             raise TypeError(f"{fn.__name__}: cannot type argument {param.name}={value!r}")
     source = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
-    return triton.compile(source, target=GPUTarget("cuda", sm, 32))
+    options = {k: kwargs[k] for k in ("num_warps", "num_stages") if k in kwargs}
+    return triton.compile(source, target=GPUTarget("cuda", sm, 32), options=options)
 
 
 def kernel_calls(sm: int = 90):

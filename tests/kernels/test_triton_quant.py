@@ -8,7 +8,7 @@ products (codes are exact in every operand dtype) in another order and apply sca
 point than the dequantize-then-matmul references, so float32 results differ by a few float32
 roundings of the sum of magnitudes (``atol = 1e-5 * max|ref|``, ``rtol = 1e-5``); 16-bit results
 are the same float32 values rounded once, so they may differ by one unit in the last place
-(``rtol`` = 2**-8 for bfloat16, 2**-10 for float16).
+(``rtol`` = 2**-7 for bfloat16, 2**-10 for float16: an ulp over the value, at its largest).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ torch.set_num_threads(1)
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 ROWS = [1, 3, 17, 64]
-ULP = {torch.float32: 1e-5, torch.bfloat16: 2**-8, torch.float16: 2**-10}
+ULP = {torch.float32: 1e-5, torch.bfloat16: 2**-7, torch.float16: 2**-10}  # one ulp, relative
 
 
 def randn(*shape, dtype=torch.float32, seed=0, device="cpu"):
@@ -308,9 +308,9 @@ def test_gpu_fp8_quantizer_and_linear(dtype, rows, kind, block_size, input_quant
         q, s = scaled_fp8_quant(x, static, group_size)
         q_ref, s_ref = scaled_fp8_quant_ref(x, static, group_size)
         assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(s, s_ref)
-    weight = fp8_weight(1000, 4096, seed=1, device="cuda")
-    scale = fp8_weight_scale(kind, block_size, 1000, 4096, seed=1).cuda()
-    bias = randn(1000, dtype=dtype, seed=2, device="cuda")
+    weight = fp8_weight(1008, 4096, seed=1, device="cuda")  # _scaled_mm takes multiples of 16
+    scale = fp8_weight_scale(kind, block_size, 1008, 4096, seed=1).cuda()
+    bias = randn(1008, dtype=dtype, seed=2, device="cuda")
     out = fp8_linear(x, weight, scale, bias, block_size, input_quant, static, fp8_dot=fp8_dot)
     ref = fp8_linear_ref(x, weight, scale, bias, block_size, input_quant, static)
     # sm_90's float8 MMA keeps fewer bits than float32 while it sums a 128-wide tile: allow

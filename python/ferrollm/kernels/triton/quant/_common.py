@@ -80,9 +80,17 @@ def check_weight(weight: torch.Tensor, name: str, dtype: torch.dtype, shape: tup
     check_last_dim_contiguous(**{name: weight})
 
 
-def block_m(rows: int) -> int:
-    """Rows per program: the smallest tl.dot tile (16) covers decode batches."""
-    return min(64, max(16, triton.next_power_of_2(rows)))
+def launch_config(rows: int, block_k: int) -> dict[str, int]:
+    """Tile sizes and launch options of a matmul over ``rows`` rows with K tiles of ``block_k``.
+
+    The smallest tl.dot tile (16 rows) covers decode batches, which stream the weight once.
+    """
+    return dict(BLOCK_M=min(64, max(16, triton.next_power_of_2(rows))), BLOCK_N=64, BLOCK_K=block_k,
+                num_warps=4, num_stages=3)
+
+
+def matmul_grid(rows: int, out_features: int, config: dict[str, int]) -> tuple[int, int]:
+    return triton.cdiv(rows, config["BLOCK_M"]), triton.cdiv(out_features, config["BLOCK_N"])
 
 
 def block_k_within(group: int, limit: int = 128, least: int = 16) -> int:

@@ -165,15 +165,19 @@ def scaled_fp8_quant(x: torch.Tensor, scale: torch.Tensor | None = None,
         row_amax = torch.zeros(rows.shape[0], dtype=torch.float32, device=x.device)
         _launch(rows, q, row_amax, None, 0, max(1, k), fp8=True, amax_only=True)
         amax = row_amax.max() if rows.shape[0] else torch.zeros((), device=x.device)
-        scale = (amax / FP8_MAX).reshape(1)
+        scale = _divide(amax, FP8_MAX).reshape(1)
     s = _static_scale(scale, "scale").to(x.device)
     _launch(rows, q, s, s, 0, max(1, k), fp8=True)
     return q.view(torch.float8_e4m3fn), s
 
 
-def _divide(numerator: float, t: torch.Tensor) -> torch.Tensor:
-    # ``number / tensor`` is ``tensor.reciprocal() * number`` in torch, rounded twice.
-    return torch.full_like(t, numerator) / t
+def _divide(a: torch.Tensor | float, b: torch.Tensor | float) -> torch.Tensor:
+    """``a / b`` rounded once, as ``tl.div_rn``: torch computes ``number / tensor`` (and, on CUDA,
+    ``tensor / number``) as a product with a reciprocal, rounded twice."""
+    like = a if isinstance(a, torch.Tensor) else b
+    a = a if isinstance(a, torch.Tensor) else torch.full_like(like, a)
+    b = b if isinstance(b, torch.Tensor) else torch.full_like(like, b)
+    return a / b
 
 
 def scaled_int8_quant_ref(x: torch.Tensor, scale: torch.Tensor | None = None,
@@ -184,7 +188,7 @@ def scaled_int8_quant_ref(x: torch.Tensor, scale: torch.Tensor | None = None,
         amax = rows.abs().amax(dim=1) if rows.shape[1] else rows.new_zeros(rows.shape[0])
         inv = torch.where(amax > 0, _divide(INT8_MAX, amax.clamp_min(1e-30)), 0.0)
         q = torch.round((rows * inv[:, None]).clamp(-128, 127))  # torch.round ties to even
-        return q.to(torch.int8), amax / INT8_MAX
+        return q.to(torch.int8), _divide(amax, INT8_MAX)
     s = scale.reshape(1).float()
     y = (rows / s).clamp(-128 - zero_point, 127 - zero_point)
     return (torch.round(y) + zero_point).to(torch.int8), s
@@ -197,12 +201,12 @@ def scaled_fp8_quant_ref(x: torch.Tensor, scale: torch.Tensor | None = None,
     if group_size is not None:
         groups = rows.split(group_size, dim=1)
         amax = torch.stack([g.abs().amax(dim=1) for g in groups], dim=1)
-        s = amax.clamp_min(_FP8_GROUP_EPS) / FP8_MAX
+        s = _divide(amax.clamp_min(_FP8_GROUP_EPS), FP8_MAX)
         y = torch.cat([g / s[:, i:i + 1] for i, g in enumerate(groups)], dim=1)
         return y.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), s
     if scale is None:
         amax = rows.abs().max() if rows.numel() else rows.new_zeros(())
-        scale = amax / FP8_MAX
+        scale = _divide(amax, FP8_MAX)
     s = scale.reshape(1).float()
     inv = torch.where(s > 0, _divide(1.0, s.clamp_min(1e-30)), 0.0)
     return (rows * inv).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), s

@@ -21,10 +21,11 @@ import triton.language as tl
 from ferrollm.kernels.triton.quant._common import (
     as_rows,
     block_k_within,
-    block_m,
     check_bias,
     dot_precision,
     e4m3_decode,
+    launch_config,
+    matmul_grid,
     output_like,
 )
 from ferrollm.kernels.triton.quant.activations import scaled_fp8_quant, scaled_fp8_quant_ref
@@ -32,7 +33,6 @@ from ferrollm.kernels.triton.quant.activations import scaled_fp8_quant, scaled_f
 __all__ = ["fp8_linear", "fp8_linear_ref", "has_fp8_dot"]
 
 INPUT_QUANT_MODES = ("none", "tensor", "static", "group")
-_BLOCK_N = 64
 
 
 @triton.jit
@@ -181,15 +181,14 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     block_k = min(block_k_within(bi) if block_size else 128, max(16, triton.next_power_of_2(in_features)))
     # The float8 MMA takes K in steps of 32; narrower tiles take the decoding path.
     fp8_dot = (has_fp8_dot(x.device) if fp8_dot is None else fp8_dot) and block_k >= 32
-    block = (block_m(rows.shape[0]), _BLOCK_N, block_k)
-    grid = (triton.cdiv(rows.shape[0], block[0]), triton.cdiv(out_features, block[1]))
-    _fp8_linear_kernel[grid](
+    config = launch_config(rows.shape[0], block_k)
+    _fp8_linear_kernel[matmul_grid(rows.shape[0], out_features, config)](
         out_rows, a, scales if a_scale is None else a_scale, w, scales, scales if bias is None else bias,
         rows.shape[0], out_features, in_features, bo, bi,
         a.stride(0), a_scale.stride(0) if input_quant == "group" else 0, w.stride(0), stride_swn, out_rows.stride(0),
         A_FP8=a_scale is not None, A_GROUP=input_quant == "group", W_BLOCK=block_size is not None,
         HAS_BIAS=bias is not None, FP8_DOT=fp8_dot, PRECISION=dot_precision(x.dtype),
-        BLOCK_M=block[0], BLOCK_N=block[1], BLOCK_K=block[2],
+        **config,
     )
     return out
 

@@ -15,13 +15,20 @@ import torch
 import triton
 import triton.language as tl
 
-from ferrollm.kernels.triton.quant._common import as_rows, block_m, check_bias, check_weight, output_like
+from ferrollm.kernels.triton.quant._common import (
+    as_rows,
+    check_bias,
+    check_weight,
+    launch_config,
+    matmul_grid,
+    output_like,
+)
 from ferrollm.kernels.triton.quant.activations import scaled_int8_quant, scaled_int8_quant_ref
 
 __all__ = ["w8a8_linear", "w8a8_linear_ref"]
 
 MAX_IN_FEATURES = 65536
-_BLOCK_N, _BLOCK_K = 64, 64
+_BLOCK_K = 64
 
 
 @triton.jit
@@ -91,14 +98,13 @@ def w8a8_linear(x: torch.Tensor, qweight: torch.Tensor, weight_scale: torch.Tens
         return out
     qx, s_x = scaled_int8_quant(rows, input_scale, input_zero_point)
     zero_point = input_zero_point if input_scale is not None else 0
-    block = (block_m(rows.shape[0]), _BLOCK_N, _BLOCK_K)
-    grid = (triton.cdiv(rows.shape[0], block[0]), triton.cdiv(out_features, block[1]))
-    _w8a8_kernel[grid](
+    config = launch_config(rows.shape[0], _BLOCK_K)
+    _w8a8_kernel[matmul_grid(rows.shape[0], out_features, config)](
         out_rows, qx, s_x, qweight, weight_scale, weight_scale if bias is None else bias, zero_point,
         rows.shape[0], out_features, in_features, qx.stride(0), 1 if input_scale is None else 0,
         qweight.stride(0), out_rows.stride(0),
         HAS_ZP=zero_point != 0, HAS_BIAS=bias is not None,
-        BLOCK_M=block[0], BLOCK_N=block[1], BLOCK_K=block[2],
+        **config,
     )
     return out
 

@@ -23,17 +23,15 @@ import triton.language as tl
 from ferrollm.kernels.triton.quant._common import (
     as_rows,
     block_k_within,
-    block_m,
     check_bias,
     check_weight,
     dot_precision,
+    launch_config,
+    matmul_grid,
     output_like,
 )
 
 __all__ = ["wq_linear", "wq_linear_ref"]
-
-_BLOCK_N = 64
-
 
 @triton.jit
 def _load_codes(qw_ptr, stride_qn, offs_n, mask_n, k0, K, BITS: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -129,14 +127,13 @@ def wq_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins
     if rows.shape[0] == 0 or out_features == 0:
         return out
     block_k = block_k_within(group_size) if group_size != in_features else min(128, max(16, triton.next_power_of_2(in_features)))
-    block = (block_m(rows.shape[0]), _BLOCK_N)
-    grid = (triton.cdiv(rows.shape[0], block[0]), triton.cdiv(out_features, block[1]))
-    _wq_linear_kernel[grid](
+    config = launch_config(rows.shape[0], block_k)
+    _wq_linear_kernel[matmul_grid(rows.shape[0], out_features, config)](
         out_rows, rows, qweight, scales, scales if mins is None else mins, scales if bias is None else bias,
         rows.shape[0], out_features, in_features, group_size, rows.stride(0), qweight.stride(0),
         scales.stride(0), out_rows.stride(0),
         BITS=bits, HAS_MINS=mins is not None, HAS_BIAS=bias is not None, PRECISION=dot_precision(x.dtype),
-        BLOCK_M=block[0], BLOCK_N=block[1], BLOCK_K=block_k,
+        **config,
     )
     return out
 
