@@ -83,10 +83,16 @@ def check_weight(weight: torch.Tensor, name: str, dtype: torch.dtype, shape: tup
 def launch_config(rows: int, block_k: int) -> dict[str, int]:
     """Tile sizes and launch options of a matmul over ``rows`` rows with K tiles of ``block_k``.
 
-    The smallest tl.dot tile (16 rows) covers decode batches, which stream the weight once.
+    The smallest tl.dot tile (16 rows) covers decode batches, which stream the weight once;
+    batches over 64 rows take 128 x 128 tiles and 8 warps. Chosen by a sweep on an H100
+    (Triton 3.6, [*, 4096] x [4096, 14336] bfloat16): at 2048 rows the wide tiles took the int8
+    matmul from 464 to 217 us and the float8 one from 506 to 410 us, while narrower or deeper
+    tiles gained under 10% for one row.
     """
-    return dict(BLOCK_M=min(64, max(16, triton.next_power_of_2(rows))), BLOCK_N=64, BLOCK_K=block_k,
-                num_warps=4, num_stages=3)
+    if rows <= 64:
+        return dict(BLOCK_M=max(16, triton.next_power_of_2(rows)), BLOCK_N=64, BLOCK_K=block_k,
+                    num_warps=4, num_stages=3)
+    return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=block_k, num_warps=8, num_stages=3)
 
 
 def matmul_grid(rows: int, out_features: int, config: dict[str, int]) -> tuple[int, int]:
