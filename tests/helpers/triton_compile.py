@@ -101,7 +101,7 @@ def quant_kernel_calls(sm: int):
     def t(*shape, dtype=torch.bfloat16):
         return torch.zeros(*shape, dtype=dtype)
 
-    x, f32 = t(4, 4096), torch.float32
+    x, big, f32 = t(4, 4096), t(256, 4096), torch.float32
     scales = t(1024, 32, dtype=f32)
     fp8_w, fp8_dot = t(1024, 4096, dtype=torch.float8_e4m3fn), sm >= 89
     return [
@@ -119,6 +119,11 @@ def quant_kernel_calls(sm: int):
         lambda: k.fp8_linear(x, fp8_w, t(8, 32, dtype=f32), None, (128, 128), "group", fp8_dot=fp8_dot),
         lambda: k.fp8_linear(t(4, 4096, dtype=f32), fp8_w, t(8, 32, dtype=f32), None, (128, 128), "none",
                              fp8_dot=fp8_dot),
+        # Prefill batches take the wide tiles (128 x 128, 8 warps).
+        lambda: k.wq_linear(big, t(1024, 2048, dtype=torch.uint8), scales, scales, 4, 128),
+        lambda: k.w8a8_linear(big, t(1024, 4096, dtype=torch.int8), t(1024, dtype=f32)),
+        lambda: k.fp8_linear(big, fp8_w, torch.ones(()), None, None, "tensor", fp8_dot=fp8_dot),
+        lambda: k.fp8_linear(big, fp8_w, t(8, 32, dtype=f32), None, (128, 128), "group", fp8_dot=fp8_dot),
     ]
 
 

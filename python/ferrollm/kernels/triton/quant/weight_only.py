@@ -126,7 +126,10 @@ def wq_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins
     out, out_rows = output_like(rows, x, out_features)
     if rows.shape[0] == 0 or out_features == 0:
         return out
-    block_k = block_k_within(group_size) if group_size != in_features else min(128, max(16, triton.next_power_of_2(in_features)))
+    if group_size == in_features:  # one group: any tile width, the last tile masked
+        block_k = min(128, max(16, triton.next_power_of_2(in_features)))
+    else:
+        block_k = block_k_within(group_size)
     config = launch_config(rows.shape[0], block_k)
     _wq_linear_kernel[matmul_grid(rows.shape[0], out_features, config)](
         out_rows, rows, qweight, scales, scales if mins is None else mins, scales if bias is None else bias,
