@@ -6,7 +6,8 @@ wrapper on CPU tensors with ``JITFunction.run`` replaced by a recorder, then com
 recorded launch down to a cubin with ``triton.compile``; ptxas ships with Triton, so no driver
 or device is needed.
 
-Run as ``python -m helpers.triton_compile [sm ...]`` from ``tests/``, without ``TRITON_INTERPRET``.
+Run as ``python -m helpers.triton_compile [--quant] [sm ...]`` from ``tests/``, without
+``TRITON_INTERPRET``; ``--quant`` compiles only the quantized kernels.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
 
 _POINTER_TYPES = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16",
-                  torch.int32: "*i32", torch.int64: "*i64"}
+                  torch.int32: "*i32", torch.int64: "*i64", torch.int8: "*i8", torch.uint8: "*u8"}
 
 
 def record_launches(calls) -> list[tuple[JITFunction, tuple, dict]]:
@@ -62,10 +63,11 @@ def compile_launch(fn: JITFunction, args: tuple, kwargs: dict, sm: int):
         else:
             raise TypeError(f"{fn.__name__}: cannot type argument {param.name}={value!r}")
     source = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
-    return triton.compile(source, target=GPUTarget("cuda", sm, 32))
+    options = {k: kwargs[k] for k in ("num_warps", "num_stages") if k in kwargs}
+    return triton.compile(source, target=GPUTarget("cuda", sm, 32), options=options)
 
 
-def kernel_calls():
+def kernel_calls(sm: int = 90):
     """One call per kernel configuration the engine uses, on CPU tensors of real model shapes."""
     from ferrollm.kernels import triton as k
 
@@ -89,16 +91,50 @@ def kernel_calls():
         lambda: k.rotary_embedding(torch.zeros(4, dtype=torch.int64), t(4, 14 * 64), t(4, 2 * 64), 64, t(4096, 32), False),
         lambda: k.silu_and_mul(t(4, 2 * 11008)),
     ]
-    return calls
+    return calls + quant_kernel_calls(sm)
 
 
-def main(sms: list[int]) -> int:
+def quant_kernel_calls(sm: int):
+    """The quantized matmuls and their activation quantizers; float8 dots where ``sm`` has them."""
+    from ferrollm.kernels import triton as k
+
+    def t(*shape, dtype=torch.bfloat16):
+        return torch.zeros(*shape, dtype=dtype)
+
+    x, big, f32 = t(4, 4096), t(256, 4096), torch.float32
+    scales = t(1024, 32, dtype=f32)
+    fp8_w, fp8_dot = t(1024, 4096, dtype=torch.float8_e4m3fn), sm >= 89
+    return [
+        lambda: k.scaled_int8_quant(x),
+        lambda: k.scaled_int8_quant(x, torch.ones(1), 3),
+        lambda: k.scaled_fp8_quant(x),  # per-row maxima, then the static quantizer
+        lambda: k.scaled_fp8_quant(x, group_size=128),
+        lambda: k.wq_linear(x, t(1024, 2048, dtype=torch.uint8), scales, scales, 4, 128, t(1024)),
+        lambda: k.wq_linear(t(4, 4096, dtype=torch.float16), t(1024, 4096, dtype=torch.int8), scales, None, 8, 128),
+        lambda: k.wq_linear(t(4, 4096, dtype=f32), t(1024, 2048, dtype=torch.uint8), scales, None, 4, 128),
+        lambda: k.w8a8_linear(x, t(1024, 4096, dtype=torch.int8), t(1024, dtype=f32), t(1024)),
+        lambda: k.w8a8_linear(x, t(1024, 4096, dtype=torch.int8), t(1024, dtype=f32), None, torch.ones(1), 3),
+        lambda: k.fp8_linear(x, fp8_w, torch.ones(()), None, None, "tensor", fp8_dot=fp8_dot),
+        lambda: k.fp8_linear(x, fp8_w, t(1024, dtype=f32), t(1024), None, "none", fp8_dot=fp8_dot),
+        lambda: k.fp8_linear(x, fp8_w, t(8, 32, dtype=f32), None, (128, 128), "group", fp8_dot=fp8_dot),
+        lambda: k.fp8_linear(t(4, 4096, dtype=f32), fp8_w, t(8, 32, dtype=f32), None, (128, 128), "none",
+                             fp8_dot=fp8_dot),
+        # Prefill batches take the wide tiles (128 x 128, 8 warps).
+        lambda: k.wq_linear(big, t(1024, 2048, dtype=torch.uint8), scales, scales, 4, 128),
+        lambda: k.w8a8_linear(big, t(1024, 4096, dtype=torch.int8), t(1024, dtype=f32)),
+        lambda: k.fp8_linear(big, fp8_w, torch.ones(()), None, None, "tensor", fp8_dot=fp8_dot),
+        lambda: k.fp8_linear(big, fp8_w, t(8, 32, dtype=f32), None, (128, 128), "group", fp8_dot=fp8_dot),
+    ]
+
+
+def main(sms: list[str]) -> int:
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         print("unset TRITON_INTERPRET: the interpreter replaces the compiler", file=sys.stderr)
         return 2
-    launches = record_launches(kernel_calls())
+    only_quant = "--quant" in sms
     failures = 0
-    for sm in sms:
+    for sm in (int(a) for a in sms if a != "--quant"):
+        launches = record_launches(quant_kernel_calls(sm) if only_quant else kernel_calls(sm))
         for fn, args, kwargs in launches:
             start = time.perf_counter()
             try:
@@ -112,4 +148,4 @@ def main(sms: list[int]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main([int(a) for a in sys.argv[1:]] or [90]))
+    sys.exit(main(sys.argv[1:] or ["90"]))

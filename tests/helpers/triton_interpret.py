@@ -11,7 +11,9 @@ be checked against torch bit for bit where the GPU would agree:
 - ``tl.dot`` multiplies the bit patterns (triton-lang/triton#11584, closed as unsupported):
   bfloat16 operands are widened to float32 first, which is what the GPU's bf16 MMA computes
   (exact products, float32 accumulation).
-- float32 -> bfloat16 casts truncate, where the GPU (and torch) round to nearest even.
+- float32 -> bfloat16 casts truncate, where the GPU (and torch) round to nearest even; integer
+  -> bfloat16 casts store the integer itself as the bit pattern. Both now round the value to
+  nearest even, integers through float32 (exact for the quantized kernels' codes).
 """
 
 from __future__ import annotations
@@ -46,6 +48,8 @@ _original_cast_impl = interpreter.InterpreterBuilder.cast_impl
 
 
 def _cast_rounding_to_nearest_even(self, src, dst_type):
+    if dst_type.scalar == tl.bfloat16 and src.dtype.scalar.is_int():
+        src = interpreter.TensorHandle(src.data.astype(np.float32), tl.float32)
     if not (src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16):
         return _original_cast_impl(self, src, dst_type)
     bits = np.ascontiguousarray(src.data, dtype=np.float32).view(np.uint32)

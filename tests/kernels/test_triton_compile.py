@@ -1,4 +1,5 @@
-"""Every Triton kernel compiles for sm_90 (H100), with no GPU present.
+"""Every Triton kernel compiles for sm_90 (H100), and the quantized ones for sm_80 (A100, no
+float8 units: the e4m3 decoding path) too, with no GPU present.
 
 The interpreter tests check what the kernels compute; this checks that the GPU compiler accepts
 them (``tl.dot`` shape rules, dtypes, ops the interpreter emulates but the compiler lacks). It runs
@@ -16,12 +17,23 @@ from pathlib import Path
 TESTS = Path(__file__).resolve().parents[1]
 
 
-def test_all_kernels_compile_for_sm90():
+def compile_kernels(*args: str) -> list[str]:
+    """Runs ``helpers.triton_compile`` with ``args``; returns its lines for compiled launches."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(TESTS.parent / "python"), env.get("PYTHONPATH", "")])
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9 warns when it is unset
-    result = subprocess.run([sys.executable, "-m", "helpers.triton_compile", "90"], cwd=TESTS, env=env,
+    result = subprocess.run([sys.executable, "-m", "helpers.triton_compile", *args], cwd=TESTS, env=env,
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
-    compiled = [line for line in result.stdout.splitlines() if ": ok," in line]
-    assert len(compiled) == 15, result.stdout
+    return [line for line in result.stdout.splitlines() if ": ok," in line]
+
+
+def test_all_kernels_compile_for_sm90():
+    compiled = compile_kernels("90")
+    # 15 layer and attention launches, 27 quantized ones (matmuls with their quantizer launches).
+    assert len(compiled) == 42, "\n".join(compiled)
+
+
+def test_quantized_kernels_compile_for_sm80():
+    compiled = compile_kernels("--quant", "80")
+    assert len(compiled) == 27, "\n".join(compiled)
