@@ -21,46 +21,57 @@ __all__ = ["QuantizedLinear", "build_quantized_form"]
 class QuantizedLinear:
     """One layer's quantized weight and the kernel that multiplies by it."""
 
-    def __init__(self, weight: qw.QuantizedWeight | list[qw.GGUFWeight], device: torch.device):
+    def __init__(self, weight: qw.QuantizedWeight | list[qw.GGUFWeight], device: torch.device,
+                 backend: str | None = None):
+        """``backend``: ``"cpu"`` (the Rust kernels) or ``"triton"``; by default the device's
+        (the tests run the Triton kernels on CPU tensors under ``TRITON_INTERPRET=1``)."""
         self.source = weight
         self.device = device
+        self.on_cpu = (backend or ("cpu" if device.type == "cpu" else "triton")) == "cpu"
         self._prepare()
 
     # -- building ----------------------------------------------------------------------------
 
     def _prepare(self) -> None:
         w = self.source
-        on_cpu = self.device.type == "cpu"
-        if isinstance(w, list):  # GGUF segments, each read where the file holds it
+        if isinstance(w, list):  # GGUF segments, each read where the file holds it (CPU only)
             self.kind = "gguf"
             self.segments = [(s.data, s.ggml_type, s.in_features) for s in w]
             return
         self.kind = type(w).__name__
+        on_cpu = self.on_cpu
+        dev = lambda t: None if t is None else t.to(self.device)  # noqa: E731
+        self.out_features = w.q.shape[0]
         if isinstance(w, qw.IntWeight):
-            self.packed = _kernels(on_cpu).pack_int4(w.q) if w.bits == 4 else w.q.contiguous()
-            self.source = qw.IntWeight(torch.empty(0), w.scales.contiguous().float(),
-                                       None if w.mins is None else w.mins.contiguous().float(),
-                                       w.bits, w.group_size, w.perm)
-            self.out_features = w.q.shape[0]
+            if w.bits == 8:
+                self.packed = dev(w.q.contiguous())
+            else:
+                self.packed = _kernels(on_cpu).pack_int4(w.q) if on_cpu else dev(_pack_int4_pairs(w.q))
+            # The unpacked values are not kept: `packed` is the weight's only copy.
+            self.source = qw.IntWeight(torch.empty(0), dev(w.scales.contiguous().float()),
+                                       dev(None if w.mins is None else w.mins.contiguous().float()),
+                                       w.bits, w.group_size, dev(w.perm))
         elif isinstance(w, qw.Int8ActWeight):
-            self.packed = _kernels(on_cpu).w8a8_pack(w.q.contiguous()) if on_cpu else w.q.contiguous()
-            self.out_features = w.q.shape[0]
+            self.packed = _kernels(on_cpu).w8a8_pack(w.q.contiguous()) if on_cpu else dev(w.q.contiguous())
+            self.source = qw.Int8ActWeight(torch.empty(0, dtype=torch.int8), dev(w.scale.contiguous()),
+                                           w.input_scale, w.input_zero_point)
         elif isinstance(w, qw.Fp8Weight):
-            self.packed = w.q.contiguous()
-            self.out_features = w.q.shape[0]
+            self.packed = dev(w.q.contiguous())
+            self.source = qw.Fp8Weight(torch.empty(0, dtype=torch.uint8), dev(w.scale.contiguous()), w.block,
+                                       w.input_quant, w.input_scale)
 
     # -- the product -------------------------------------------------------------------------
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         dtype = x.dtype
-        if self.device.type == "cpu" and dtype != torch.float32:
+        if self.on_cpu and dtype != torch.float32:
             x = x.float()
             bias = None if bias is None else bias.float()
         y = self._product(x.contiguous(), bias)
         return y.to(dtype)
 
     def _product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        k = _kernels(self.device.type == "cpu")
+        k = _kernels(self.on_cpu)
         w = self.source
         if self.kind == "gguf":
             from ferrollm.kernels.cpu.gguf import gguf_linear
@@ -103,6 +114,14 @@ def _fp8_per_token(k, x: torch.Tensor, weight: torch.Tensor, w: qw.Fp8Weight, bi
 
 
 FP8_MAX = 448.0
+
+
+def _pack_int4_pairs(q: torch.Tensor) -> torch.Tensor:
+    """The Triton kernels' int4 layout: byte ``k // 2`` of a row holds value ``k`` in its low
+    nibble for even ``k`` and in its high one for odd ``k``."""
+    if q.shape[1] % 2:
+        q = torch.nn.functional.pad(q, (0, 1))
+    return (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous()
 
 
 def _kernels(on_cpu: bool):

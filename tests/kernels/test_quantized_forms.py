@@ -1,0 +1,50 @@
+"""Each quantized layout through both kernel families, the CPU's Rust kernels and the Triton
+ones (in the interpreter here, on a GPU under ``-m gpu`` elsewhere), against the layout's own
+dequantization: the forms pack, place and call them consistently."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from ferrollm.model_executor.layers.quantization import qweights as qw
+from ferrollm.model_executor.layers.quantization.dynamic_int import quantize_int8_rows, quantize_rtn
+from ferrollm.model_executor.layers.quantization.fp8 import quantize_fp8
+from ferrollm.model_executor.layers.quantization.forms import QuantizedLinear
+
+OUT, IN = 48, 128
+
+
+def _weights() -> dict[str, qw.QuantizedWeight]:
+    torch.manual_seed(0)
+    w = torch.randn(OUT, IN) * 0.1
+    return {"int4": quantize_rtn(w, 4, 32), "int8": quantize_rtn(w, 8, 64),
+            "w8a8": quantize_int8_rows(w), "fp8": quantize_fp8(w)}
+
+
+def _backends():
+    backends = ["cpu"]
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        backends.append("triton")
+    return backends
+
+
+@pytest.mark.parametrize("backend", _backends())
+@pytest.mark.parametrize("kind", ["int4", "int8", "w8a8", "fp8"])
+@pytest.mark.parametrize("rows", [1, 5])
+def test_forms_multiply_like_their_dequantized_weight(kind, backend, rows):
+    weight = _weights()[kind]
+    form = QuantizedLinear(weight, torch.device("cpu"), backend=backend)
+    x = torch.randn(rows, IN)
+    bias = torch.randn(OUT)
+    expected = x @ weight.dequantize().t() + bias
+    # Weight-only kinds are exact to float32 rounding; the others round x to 8 bits first
+    # (int8: 1/254 of a row's largest value per element; e4m3: 1/16 relative), bounded here by
+    # the sum of |w| times that rounding.
+    slack = {"int4": 1e-4, "int8": 1e-4}.get(kind)
+    if slack is None:
+        step = x.abs().amax() / 254 if kind == "w8a8" else x.abs().amax() / 16
+        slack = float(step * weight.dequantize().abs().sum(1).max()) + 1e-4
+    torch.testing.assert_close(form.linear(x, bias), expected, atol=slack, rtol=0)
