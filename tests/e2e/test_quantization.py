@@ -80,3 +80,26 @@ def test_quantization_naming_another_method_than_the_checkpoint_is_an_error(tmp_
         LLM(str(folder), quantization="fp8", **ENGINE)
     with LLM(str(folder), quantization="compressed-tensors", **ENGINE) as llm:
         assert run(llm)[0]
+
+
+@pytest.mark.parametrize("write", ["w4a16_asym", "w8a8", "fp8", "gptq_act_order"])
+def test_sharded_state_is_written_quantized_and_loads_back(tmp_path, tokenizer_dir, write):
+    from safetensors import safe_open
+
+    writers = {"w4a16_asym": lambda m, f: write_compressed_tensors(m, "W4A16_ASYM", f, group_size=32),
+               "w8a8": lambda m, f: write_compressed_tensors(m, "W8A8", f),
+               "fp8": lambda m, f: write_compressed_tensors(m, "FP8", f),
+               "gptq_act_order": lambda m, f: write_gptq(m, f, bits=4, group_size=32, desc_act=True)}
+    folder = _tiny(tmp_path / "src", tokenizer_dir, writers[write])
+    saved = tmp_path / "sharded"
+    tp = 1 if write == "gptq_act_order" else 2  # act order cannot split by input features
+    with LLM(str(folder), tensor_parallel_size=tp, **ENGINE) as llm:
+        expected = run(llm)
+        llm.save_sharded_state(str(saved))
+    with safe_open(str(saved / "model-rank-0-part-0.safetensors"), framework="pt") as f:
+        names = set(f.keys())
+        qweight = f.get_tensor("model.layers.0.mlp.down_proj.qweight")
+    assert "model.layers.0.self_attn.qkv_proj.weight" not in names  # no float copy of a quantized layer
+    assert qweight.dtype in (torch.uint8, torch.int8)
+    with LLM(str(saved), load_format="sharded_state", tensor_parallel_size=tp, **ENGINE) as llm:
+        assert_same(run(llm), expected)

@@ -157,11 +157,15 @@ def load_model(model_config, load_format: str, device: torch.device, rank: int =
     source, dtype = model_config.source, model_config.dtype
     # No position past `max_model_len` ever runs: tables sized by position stop there.
     setattr(model_config.hf_config, MAX_MODEL_LEN_ATTR, model_config.max_model_len)
+    quant_config = model_config.quant_config
     if load_format == "sharded_state":
         model = build_model(model_config.hf_config, dtype, device)
+        if quant_config is not None:
+            from ferrollm.model_executor.layers.quantization.saved_state import SavedStateConfig
+
+            begin_loading(model, dtype, device, SavedStateConfig(quant_config))
         load_rank_state(model, source.folder, rank, world_size)
         return finish_loading(model, dtype, device)
-    quant_config = model_config.quant_config
     if source.gguf_file is not None:
         _, weights = load_gguf(source.gguf_file, quant_config, device)
     else:

@@ -29,11 +29,18 @@ _TP_KEY = "tensor_parallel_size"
 
 def dense_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """Parameters by name, a tensor shared by several names (tied embeddings) kept once; a layer
-    whose weight lives in a CPU form (`cpu_weights`) gives it back in the plain layout."""
+    whose weight lives in a CPU form (`cpu_weights`) gives it back in the plain layout, and a
+    quantized one its quantized tensors (`quantization.saved_state`)."""
     dense = {f"{prefix}.weight" if prefix else "weight": module.dense_weight
              for prefix, module in model.named_modules() if callable(getattr(module, "dense_weight", None))}
     seen: set[int] = set()
     out = {}
+    for prefix, module in model.named_modules():
+        state = module.quantized_state() if callable(getattr(module, "quantized_state", None)) else None
+        if state is not None:
+            out.update({f"{prefix}.{name}": tensor for name, tensor in state.items()})
+            dense.pop(f"{prefix}.weight", None)
+            seen.add(id(getattr(module, "weight", None)))
     for name, param in model.named_parameters(remove_duplicate=False):
         if id(param) in seen:
             continue
@@ -135,6 +142,9 @@ def load_rank_state(model: nn.Module, folder: str | Path, rank: int, world_size:
             f"but this engine runs tensor_parallel_size={world_size}; load it with "
             f"tensor_parallel_size={saved}, or save it again at {world_size}")
     params = dense_state_dict(model)
+    # A quantized layer's placeholders (`LinearBase.set_quant_method`) take their tensors through
+    # their own loader (the state dict holds detached views of them).
+    pieces = {n: p for n, p in model.named_parameters() if getattr(p, "quant_piece", False)}
     loaded: set[str] = set()
     for path in _rank_files(folder, pattern or DEFAULT_PATTERN).get(rank, []):
         with safe_open(str(path), framework="pt") as f:
@@ -143,13 +153,17 @@ def load_rank_state(model: nn.Module, folder: str | Path, rank: int, world_size:
                 if param is None:
                     raise CheckpointError(f"{path.name}: tensor {name!r} has no parameter in {type(model).__name__}")
                 tensor = f.get_tensor(name)
+                if name in pieces:
+                    pieces[name].weight_loader(pieces[name], tensor)
+                    loaded.add(name)
+                    continue
                 if tuple(tensor.shape) != tuple(param.shape):
                     raise CheckpointError(f"{path.name}: tensor {name!r} has shape {tuple(tensor.shape)}, "
                                           f"the model expects {tuple(param.shape)}")
                 with torch.no_grad():
                     param.copy_(tensor)
                 loaded.add(name)
-    missing = sorted(set(params) - loaded)
+    missing = sorted(n for n in set(params) - loaded if not getattr(pieces.get(n), "optional", False))
     if missing:
         raise CheckpointError(f"rank {rank}'s sharded files lack {len(missing)} tensors, e.g. {missing[:5]}")
 

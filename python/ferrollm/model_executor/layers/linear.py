@@ -181,6 +181,7 @@ class LinearBase(nn.Module):
                 self.register_parameter(suffix, param)
             param.weight_loader = self._load_quant_piece
             param.optional = suffix in method.optional
+            param.quant_piece = True
             self._quant_params[id(param)] = suffix
 
     def _load_quant_piece(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
@@ -194,6 +195,8 @@ class LinearBase(nn.Module):
     def _make_quantized(self, shard_id) -> None:
         assert self.quant_method is not None
         weight = self.quant_method.make(self._pieces.pop(shard_id))
+        if getattr(self.quant_method, "presharded", False):  # sharded state: this rank's already
+            return self._load_rows(self.weight, 0, weight, "sharded state")
         if shard_id is None:
             self.weight_loader(self.weight, weight)
         else:
@@ -216,6 +219,15 @@ class LinearBase(nn.Module):
                      and n != "weight"]:
             delattr(self, name)
         self._quant_params = {}
+
+    def quantized_state(self) -> dict[str, torch.Tensor] | None:
+        """This rank's quantized weight as sharded state writes it (`saved_state`), or None for a
+        float layer."""
+        if not isinstance(self._cpu, QuantizedLinear):
+            return None
+        from ferrollm.model_executor.layers.quantization.saved_state import saved_tensors
+
+        return saved_tensors(self._cpu.saved_weight())
 
     def dense_weight(self) -> torch.Tensor:
         """The plain ``[out, in]`` weight of this rank, whatever form holds it."""

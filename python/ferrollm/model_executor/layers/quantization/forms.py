@@ -41,7 +41,7 @@ class QuantizedLinear:
         self.kind = type(w).__name__
         on_cpu = self.on_cpu
         dev = lambda t: None if t is None else t.to(self.device)  # noqa: E731
-        self.out_features = w.q.shape[0]
+        self.out_features, self.in_features = w.q.shape
         if isinstance(w, qw.IntWeight):
             if w.bits == 8:
                 self.packed = dev(w.q.contiguous())
@@ -92,6 +92,22 @@ class QuantizedLinear:
 
     # -- what the rest of the engine asks ----------------------------------------------------
 
+    def saved_weight(self) -> qw.QuantizedWeight | list[qw.GGUFWeight]:
+        """The weight in the `qweights` layout again, read back from the kernels' packing (for
+        saving sharded state)."""
+        w = self.source
+        if self.kind == "gguf" or isinstance(w, list):
+            return w
+        in_features = self.in_features
+        if isinstance(w, qw.IntWeight):
+            q = self.packed if w.bits == 8 else _unpack_int4(self.packed, in_features, self.on_cpu)
+            return qw.IntWeight(q, w.scales, w.mins, w.bits, w.group_size, w.perm)
+        if isinstance(w, qw.Int8ActWeight):
+            q = _unpack_w8a8(self.packed, self.out_features, in_features) if self.on_cpu else self.packed
+            return qw.Int8ActWeight(q, w.scale, w.input_scale, w.input_zero_point)
+        assert isinstance(w, qw.Fp8Weight)
+        return qw.Fp8Weight(self.packed, w.scale, w.block, w.input_quant, w.input_scale)
+
     def tensors(self) -> dict[int, int]:
         """Bytes held, by address (for the start-up log's weight bytes)."""
         held = [self.packed] if hasattr(self, "packed") else [d for d, _, _ in getattr(self, "segments", [])]
@@ -122,6 +138,25 @@ def _pack_int4_pairs(q: torch.Tensor) -> torch.Tensor:
     if q.shape[1] % 2:
         q = torch.nn.functional.pad(q, (0, 1))
     return (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous()
+
+
+def _unpack_int4(packed: torch.Tensor, in_features: int, cpu_layout: bool) -> torch.Tensor:
+    """uint8 ``[out, in]`` values from either kernel family's int4 packing: the CPU's 32-element
+    blocks (byte ``i`` holds element ``i`` low and ``i + 16`` high) or Triton's nibble pairs."""
+    low, high = packed & 15, packed >> 4
+    if cpu_layout:
+        blocks = packed.shape[1] // 16
+        values = torch.cat([low.view(-1, blocks, 16), high.view(-1, blocks, 16)], dim=2)
+    else:
+        values = torch.stack([low, high], dim=-1)
+    return values.reshape(packed.shape[0], -1)[:, :in_features].contiguous()
+
+
+def _unpack_w8a8(packed: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
+    """int8 ``[out, in]`` from `w8a8_pack`'s tiles: 16 features, 4 consecutive inputs of each."""
+    tiles, k_padded = -(-out_features // 16), -(-in_features // 4) * 4
+    body = packed[: tiles * 16 * k_padded].view(tiles, k_padded // 4, 16, 4)
+    return body.permute(0, 2, 1, 3).reshape(tiles * 16, k_padded)[:out_features, :in_features].view(torch.int8).contiguous()
 
 
 def _kernels(on_cpu: bool):
