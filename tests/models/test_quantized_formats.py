@@ -163,3 +163,18 @@ def test_group_size_that_cuts_a_tensor_parallel_shard_is_an_error():
     assert w.narrow(1, 32, 64).shape == (4, 64)
     with pytest.raises(CheckpointError, match=r"cuts its groups of 32.*48"):
         w.narrow(1, 48, 48)
+
+
+def test_moe_experts_stay_float_under_dynamic_quantization_and_static_ones_are_refused(tmp_path):
+    from helpers.engine_driver import build_checkpoint
+
+    build_checkpoint("mixtral", tmp_path)
+    model = _load(tmp_path, "int8")  # attention quantized, experts float
+    assert model is not None
+    config = transformers.AutoConfig.from_pretrained(tmp_path)
+    config.quantization_config = {"quant_method": "gptq", "bits": 4, "group_size": 32}
+    from ferrollm.model_executor.layers.quantization import attach_quant_methods
+    from ferrollm.model_executor.loader import build_model
+
+    with pytest.raises(ConfigError, match=r"quantized MoE experts are not supported"):
+        attach_quant_methods(build_model(config, torch.float32), resolve_quantization(config, None, False), "cpu")

@@ -92,6 +92,16 @@ def attach_quant_methods(model: nn.Module, config: QuantizationConfig, device) -
     """Gives each linear layer of ``model`` its method (before loading); returns how many."""
     from ferrollm.model_executor.layers.linear import LinearBase
 
+    from ferrollm.model_executor.layers.fused_moe import FusedMoE
+
+    if any(isinstance(m, FusedMoE) for m in model.modules()):
+        if config.name not in _DYNAMIC:
+            raise ConfigError(f"{config.describe()}: quantized MoE experts are not supported yet; supported for "
+                              "MoE models: the float checkpoint, or quantization in "
+                              f"{sorted(_DYNAMIC)} (which quantizes the attention and dense layers and "
+                              "leaves the experts in floating point)")
+        logger.warning("quantization=%r leaves the MoE experts in floating point (no quantized expert kernels yet)",
+                       config.name)
     fused = _fused_layers(model)
     if hasattr(config, "fused"):
         config.fused = fused
