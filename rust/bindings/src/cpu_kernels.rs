@@ -18,28 +18,8 @@ use ferrollm_kernels::rotary::{rotate_neox, RotaryShape};
 use ferrollm_kernels::{activation, openmp, Bf16, KernelError};
 use pyo3::prelude::*;
 
+use crate::buffers::{view, view_mut, Buffer};
 use crate::errors::{kernel_error, raise};
-
-/// A tensor's memory: its first element's address and element count.
-type Buffer = (usize, usize);
-
-/// # Safety
-/// `buf` must address `buf.1` initialised, live elements of `T` that nothing writes during the call.
-unsafe fn view<'a, T>(buf: Buffer) -> &'a [T] {
-    if buf.1 == 0 {
-        return &[];
-    }
-    std::slice::from_raw_parts(buf.0 as *const T, buf.1)
-}
-
-/// # Safety
-/// As [`view`], and nothing else reads or writes the elements during the call.
-unsafe fn view_mut<'a, T>(buf: Buffer) -> &'a mut [T] {
-    if buf.1 == 0 {
-        return &mut [];
-    }
-    std::slice::from_raw_parts_mut(buf.0 as *mut T, buf.1)
-}
 
 /// Joins the OpenMP runtime at `path`, already loaded in this process (torch's). Raises
 /// `KernelError` if it is not loaded or lacks the OpenMP entry points.

@@ -8,6 +8,7 @@ use ferrollm_kernels::quant::{self, dequantize, GgmlType, QuantWeight};
 use ferrollm_kernels::{Bf16, Element};
 use pyo3::prelude::*;
 
+use crate::buffers::{view, view_mut};
 use crate::errors::{kernel_error, raise};
 
 /// Whether `cpu_gguf_dequantize` decodes the GGML type with this id.
@@ -70,9 +71,8 @@ pub fn cpu_gguf_linear(
     };
     // SAFETY: the caller passes live buffers of these lengths (see the module doc); `out` is a
     // fresh tensor aliasing nothing, and nothing writes the inputs during the call.
-    let (data, x, bias, out) = unsafe {
-        (slice::<u8>(weight), slice::<f32>(x), bias.map(|b| slice::<f32>(b)), slice_mut::<f32>(out))
-    };
+    let (data, x, bias, out) =
+        unsafe { (view::<u8>(weight), view::<f32>(x), bias.map(|b| view::<f32>(b)), view_mut::<f32>(out)) };
     let weight = QuantWeight { ggml_type, data, row_stride, out_features, in_features };
     py.detach(|| quant::matmul(&weight, x, rows, bias, out, threads)).map_err(kernel_error)
 }
@@ -86,24 +86,6 @@ fn run<T: Element>(
 ) -> PyResult<()> {
     // SAFETY: the caller passes live buffers of these lengths (see the module doc); `out` is a
     // fresh tensor of `T`, aliasing nothing, and nothing writes `data` during the call.
-    let (data, out) = unsafe { (slice::<u8>(data), slice_mut::<T>(out)) };
+    let (data, out) = unsafe { (view::<u8>(data), view_mut::<T>(out)) };
     py.detach(|| dequantize(ggml_type, data, out, threads)).map_err(kernel_error)
-}
-
-/// # Safety
-/// `buf` must address `buf.1` initialised, live `T`s that nothing writes during the call.
-unsafe fn slice<'a, T>(buf: (usize, usize)) -> &'a [T] {
-    if buf.1 == 0 {
-        return &[];
-    }
-    std::slice::from_raw_parts(buf.0 as *const T, buf.1)
-}
-
-/// # Safety
-/// As [`slice`], and nothing else reads or writes them during the call.
-unsafe fn slice_mut<'a, T>(buf: (usize, usize)) -> &'a mut [T] {
-    if buf.1 == 0 {
-        return &mut [];
-    }
-    std::slice::from_raw_parts_mut(buf.0 as *mut T, buf.1)
 }

@@ -3,6 +3,7 @@
 //! contract and `make test` checks the two agree (mypy.stubtest).
 
 mod broadcast;
+mod buffers;
 mod cpu_kernels;
 mod engine;
 mod errors;

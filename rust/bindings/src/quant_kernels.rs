@@ -13,6 +13,7 @@ use ferrollm_kernels::quant::w8a8::{
 use ferrollm_kernels::quant::wq::{int4_packed_len, pack_int4, wq_linear, QWeight, WqShape, WqWeight};
 use pyo3::prelude::*;
 
+use crate::buffers::{view, view_mut, Buffer};
 use crate::errors::{kernel_error, raise};
 
 /// Adds this module's functions to `_core`.
@@ -25,27 +26,6 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cpu_w8a8_linear, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_fp8_linear, m)?)?;
     Ok(())
-}
-
-/// A tensor's memory: its first element's address and element count.
-type Buffer = (usize, usize);
-
-/// # Safety
-/// `buf` must address `buf.1` initialised, live elements of `T` that nothing writes during the call.
-unsafe fn view<'a, T>(buf: Buffer) -> &'a [T] {
-    if buf.1 == 0 {
-        return &[];
-    }
-    std::slice::from_raw_parts(buf.0 as *const T, buf.1)
-}
-
-/// # Safety
-/// As [`view`], and nothing else reads or writes the elements during the call.
-unsafe fn view_mut<'a, T>(buf: Buffer) -> &'a mut [T] {
-    if buf.1 == 0 {
-        return &mut [];
-    }
-    std::slice::from_raw_parts_mut(buf.0 as *mut T, buf.1)
 }
 
 /// Bytes `cpu_wq_pack_int4` writes for an `[out_features, in_features]` weight.
