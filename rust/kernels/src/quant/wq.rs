@@ -23,6 +23,9 @@
 #[cfg(target_arch = "x86_64")]
 mod avx2;
 
+#[cfg(target_arch = "x86_64")]
+pub(crate) use avx2::GroupWalk;
+
 use std::borrow::Cow;
 use std::ops::Range;
 
