@@ -16,7 +16,9 @@
 //!   AVX-512 CPUs; ~3x torch's fused attention, which needed the context gathered out first.
 //! - [`cache`]: the step's keys and values into their KV cache slots, for the same reason.
 //! - [`quant`]: GGUF's block formats (Q4_0 to Q8_0, Q4_K to Q6_K, f16, bf16) to floats, one
-//!   block-decoding function per format, for loading llama.cpp files.
+//!   block-decoding function per format, for loading llama.cpp files; and the linear layers of
+//!   the dense quantized formats (weight-only int4/int8, W8A8 int8, fp8), which compute from
+//!   the packed weights.
 //!
 //! The kernels split rows over the OpenMP team of the process they live in ([`openmp`]), the
 //! same threads torch runs its ops on, instead of a pool of their own: two pools on the same cores

@@ -13,6 +13,11 @@
 //! output (4 bytes per element against 0.5-1 read): ~7 GB/s of f32 into memory already touched on
 //! the 2-core development machine. The 135M-parameter Q4_1 SmolLM2 file decodes in 0.15-0.35 s
 //! into fresh tensors, most of it first touches of their pages; gguf-py's numpy took ~2 s.
+//!
+//! The dense quantized formats' linear layers compute from their packed weights instead:
+//! [`wq`] (weight-only int4/int8 with group scales and mins: GPTQ, AWQ, compressed-tensors
+//! W4A16/W8A16), [`w8a8`] (int8 × int8, VNNI where the CPU has it) and [`fp8`] (e4m3 weights
+//! decoded in registers); their batches share `tiled`, which decodes a small tile at a time.
 
 mod act;
 pub mod blocks;

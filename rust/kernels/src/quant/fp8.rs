@@ -14,7 +14,7 @@
 //! half's wider exponent keeps e4m3's subnormals normal or subnormal exactly), converted by
 //! F16C eight lanes at a time, times 2^8 (folded into the scale) to undo the exponent bias
 //! difference; the NaN encodings (`0x7f`, `0xff`) are patched to a half NaN. One or two rows
-//! stream the weight once, summing per scale group; more go through [`super::tiled`].
+//! stream the weight once, summing per scale group; more go through `super::tiled`.
 
 #[cfg(target_arch = "x86_64")]
 mod avx2;

@@ -12,7 +12,7 @@
 //! One or two rows (decode steps) stream each weight row once, start to end, with the scales
 //! and mins beside it, unpacking in registers: per group, the products `q · x` are summed in
 //! vector accumulators and scaled once, and the mins cost one multiply-add per group against
-//! sums of `x` per group computed once per call. From three rows on, [`super::tiled`] decodes a
+//! sums of `x` per group computed once per call. From three rows on, `super::tiled` decodes a
 //! tile (12 rows × 256 columns) at a time and runs an f32 micro-kernel over every row of `x`.
 //!
 //! Invariants checked at the entry: `group_size` divides `in_features` and is 16, a multiple of
@@ -22,6 +22,9 @@
 
 #[cfg(target_arch = "x86_64")]
 mod avx2;
+
+#[cfg(target_arch = "x86_64")]
+pub(crate) use avx2::GroupWalk;
 
 use std::borrow::Cow;
 use std::ops::Range;

@@ -4,6 +4,7 @@
 use std::arch::x86_64::*;
 use std::ops::Range;
 
+use crate::quant::wq::GroupWalk;
 use crate::simd::sum8;
 
 /// Decoded halves are the e4m3 values times 2^-8 (the exponent biases differ by 8).
@@ -100,9 +101,10 @@ pub(super) unsafe fn decode(
     out: &mut [f32],
 ) -> usize {
     let mut c = cols.start;
+    // Groups are multiples of 16 wide (or the whole row), so one scale covers each piece.
+    let mut groups = GroupWalk::new(group, c);
     while c + 16 <= cols.end {
-        // Groups are multiples of 16 wide (or the whole row), so one scale covers the piece.
-        let s = _mm256_set1_ps(scales[c / group] * HALF_BIAS);
+        let s = _mm256_set1_ps(scales[groups.next()] * HALF_BIAS);
         let v = load16(row.as_ptr().add(c));
         let dst = out.as_mut_ptr().add(c - cols.start);
         _mm256_storeu_ps(dst, _mm256_mul_ps(v[0], s));

@@ -116,18 +116,50 @@ struct Decode<'a> {
 #[target_feature(enable = "avx2,fma")]
 unsafe fn decode<B: Block>(d: Decode<'_>, dst: &mut [f32]) {
     let first = d.blocks.start;
+    let mut groups = GroupWalk::new(d.group, first * INT4_BLOCK);
     for b in d.blocks.clone() {
         let values = B::load(d.row, b);
-        for (i, v) in values.into_iter().enumerate() {
-            // Groups hold whole 8-lane vectors: 16, a multiple of 32, or the whole row.
-            let g = (b * INT4_BLOCK + i * 8) / d.group;
-            let scale = _mm256_set1_ps(*d.scales.get_unchecked(g));
-            let min = _mm256_set1_ps(d.mins.map_or(0.0, |m| *m.get_unchecked(g)));
-            _mm256_storeu_ps(
-                dst.as_mut_ptr().add((b - first) * INT4_BLOCK + i * 8),
-                _mm256_fmadd_ps(v, scale, min),
-            );
+        for (h, pair) in values.chunks_exact(2).enumerate() {
+            let g = groups.next();
+            let scale = _mm256_set1_ps(d.scales[g]);
+            let min = _mm256_set1_ps(d.mins.map_or(0.0, |m| m[g]));
+            let out = dst.as_mut_ptr().add((b - first) * INT4_BLOCK + h * 16);
+            _mm256_storeu_ps(out, _mm256_fmadd_ps(pair[0], scale, min));
+            _mm256_storeu_ps(out.add(8), _mm256_fmadd_ps(pair[1], scale, min));
         }
+    }
+}
+
+/// The group of each successive 16 columns of a row from a column on, counted rather than
+/// divided: a division per vector cost the tiles' decoding several times its arithmetic.
+pub(crate) struct GroupWalk {
+    group: usize,
+    /// Runs of 16 columns per group (`usize::MAX` for one group of any width: the whole row).
+    per_group: usize,
+    left: usize,
+}
+
+impl GroupWalk {
+    /// Groups are `group` columns wide, a multiple of 16 or the whole row; `from` is a
+    /// multiple of 16.
+    pub(crate) fn new(group: usize, from: usize) -> Self {
+        if !group.is_multiple_of(16) {
+            return GroupWalk { group: 0, per_group: usize::MAX, left: usize::MAX };
+        }
+        let per_group = group / 16;
+        GroupWalk { group: from / group, per_group, left: per_group - (from % group) / 16 }
+    }
+
+    /// The group of the next 16 columns.
+    #[inline(always)]
+    pub(crate) fn next(&mut self) -> usize {
+        let g = self.group;
+        self.left -= 1;
+        if self.left == 0 {
+            self.group += 1;
+            self.left = self.per_group;
+        }
+        g
     }
 }
 
