@@ -107,7 +107,8 @@ class CompiledForward:
         classes. After that no guard is evaluated.
         """
         def eager_forward() -> list[torch.Tensor]:
-            self.model(*make_batch(1)[:2], kv_caches, make_batch(1)[2])
+            input_ids, positions, meta = make_batch(1)
+            self.model(input_ids, positions, kv_caches, meta)
             return kv_caches
 
         with torch.inference_mode():
