@@ -1,14 +1,15 @@
 """Writes the benchmark checkpoints: a Qwen2-0.5B-shaped model with random weights (hidden 896,
-24 layers, 14 heads / 2 KV heads, intermediate 4864, vocab 151936, fp32) and a word-level
-tokenizer covering its whole vocabulary, so random-token workloads detokenize cleanly.
+24 layers, 14 heads / 2 KV heads, intermediate 4864, vocab 151936, fp32 by default, bf16 with
+``--dtype bfloat16`` as the GPU runs use) and a word-level tokenizer covering its whole
+vocabulary, so random-token workloads detokenize cleanly.
 
-    python benches/make_checkpoint.py .bench/qwen2-0.5b
+    python benches/make_checkpoint.py .bench/qwen2-0.5b [--dtype bfloat16]
 """
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
@@ -27,7 +28,7 @@ def write_tokenizer(folder: Path) -> None:
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
 
 
-def write_model(folder: Path) -> None:
+def write_model(folder: Path, dtype: torch.dtype = torch.float32) -> None:
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     config = Qwen2Config(
@@ -37,17 +38,22 @@ def write_model(folder: Path) -> None:
     )
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.save_pretrained(folder)
+    model.to(dtype).save_pretrained(folder)
 
 
-def main(folder: str) -> None:
-    path = Path(folder)
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("folder", nargs="?", default=".bench/qwen2-0.5b")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="the dtype the weights are stored in (drawn in fp32 from the same seed either way)")
+    args = p.parse_args()
+    path = Path(args.folder)
     path.mkdir(parents=True, exist_ok=True)
     if not (path / "model.safetensors").exists() and not (path / "model.safetensors.index.json").exists():
-        write_model(path)
+        write_model(path, getattr(torch, args.dtype))
     write_tokenizer(path)
     print(path)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else ".bench/qwen2-0.5b")
+    main()

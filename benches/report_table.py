@@ -19,6 +19,9 @@ ROWS = [
     ("fixed", "output_tokens_per_second", "output tok/s", None, True),
     ("fixed", "tokens_per_second", "total tok/s", "batched_tokens_per_s", True),
     ("fixed", *PEAK_RSS),
+    ("nanovllm", "output_tokens_per_second", "output tok/s", None, True),
+    ("nanovllm", "tokens_per_second", "total tok/s", "batched_tokens_per_s", True),
+    ("nanovllm", *PEAK_RSS),
     ("latency", "decode_tokens_per_second", "decode tok/s (batch 1)", "batch1_tokens_per_s", True),
     ("latency", "avg_latency", "latency (s)", None, False),
     ("latency", *PEAK_RSS),
@@ -92,8 +95,9 @@ def _machine_lines(report: dict) -> list[str]:
         llamacpp = f"; llama.cpp on {gguf}: {theirs['batch1_tokens_per_s']:.1f}"
         if _differ(theirs, ours, "batched_tokens_per_s"):
             llamacpp += f" and {theirs['batched_tokens_per_s']:.0f} batched"
+    machine = roof["device"] if roof.get("device") else f"machine ({roof['threads']} threads)"
     return [
-        f"machine ({roof['threads']} threads): read bandwidth {bw:.1f} GB/s, matmul peak (GFLOP/s) {peaks}",
+        f"{machine}: read bandwidth {bw:.1f} GB/s, matmul peak (GFLOP/s) {peaks}",
         f"model: {m['params'] / 1e6:.0f} M params, {weights}",
         (f"bounds ({short}): batch-1 decode {ours['batch1_tokens_per_s']:.1f} tok/s (bandwidth / {short} weight "
          f"bytes), batched {ours['batched_tokens_per_s']:.0f} tok/s ({short} peak FLOP/s / 2 x params){llamacpp}"),

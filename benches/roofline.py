@@ -11,7 +11,12 @@ Batch-1 decode reads every weight once per token, so its bound is ``read bandwid
 bytes per element)`` of the dtype the engine runs in; batched work is compute-bound at that dtype's
 ``peak FLOP/s / (2 x params)`` tokens/s.
 
-    python benches/roofline.py [--threads 2] [--model .bench/qwen2-0.5b]   # prints one JSON line
+On a GPU (``--device cuda``) the same keys come from the device: read bandwidth from a sum over
+a 2 GiB bf16 buffer, copy bandwidth from a device-to-device copy (bytes read plus written), and
+the matmul peaks from 8192^3 ``torch.mm`` (fp32 without TF32, and bf16), each the best of 10
+event-timed runs after a warm-up, on random data; ``device`` names the GPU.
+
+    python benches/roofline.py [--threads 2] [--model .bench/qwen2-0.5b] [--device cuda]   # one JSON line
 """
 
 from __future__ import annotations
@@ -142,12 +147,52 @@ def measure(threads: int) -> dict:
             **{keys.peak: matmul_flops(dtype) for dtype, keys in DTYPES.items()}}
 
 
+def _best_cuda_time(fn, repeats: int = 10) -> float:
+    import torch
+
+    fn()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3)
+    return best
+
+
+def measure_gpu() -> dict:
+    """The GPU's HBM bandwidth and matmul peaks, under the keys `measure` uses."""
+    import torch
+
+    size = 2 << 30
+    src = torch.randn(size // 2, dtype=torch.bfloat16, device="cuda")
+    dst = torch.empty_like(src)
+    read = size / _best_cuda_time(lambda: src.sum(dtype=torch.float32))
+    copy = 2 * size / _best_cuda_time(lambda: dst.copy_(src))
+    del src, dst
+    peaks = {}
+    for dtype, keys in DTYPES.items():
+        a = torch.randn(8192, 8192, dtype=getattr(torch, dtype), device="cuda")
+        b = torch.randn(8192, 8192, dtype=getattr(torch, dtype), device="cuda")
+        flops = 2 * 8192**3 / _best_cuda_time(lambda: torch.mm(a, b))
+        peaks[keys.peak] = {"square_8192": flops, "peak": flops}
+        del a, b
+    # Engines run in other processes beside this one: leave them the memory (the context stays).
+    torch.cuda.empty_cache()
+    return {"device": torch.cuda.get_device_name(), "threads": 0,
+            "bandwidth": {"read_bytes_per_s": read, "copy_bytes_per_s": copy}, **peaks}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--model", type=Path, default=None, help="safetensors folder or GGUF file to size")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     args = p.parse_args()
-    result = measure(args.threads)
+    result = measure_gpu() if args.device == "cuda" else measure(args.threads)
     if args.model is not None:
         size = model_size(args.model)
         # fp32 bounds at the top level (as before), then every run dtype's under its key.

@@ -6,6 +6,8 @@ gets the very same requests, lengths included):
 - ``mixed``: 64 prompts, input 32-512 and output 16-256 tokens drawn per request;
 - ``fixed``: 32 prompts x 128 in -> 128 out;
 - ``latency``: batch 1, 32 in -> 128 out, 3 timed runs after 1 warm-up (decode tok/s);
+- ``nanovllm``: nano-vllm's published shape, 256 prompts with input and output lengths drawn
+  from 100-1023 (needs ``--max-model-len 2048`` or more; nano-vllm ran 4096);
 - ``startup``: engine constructor to the first token of a one-token request, with the
   checkpoint's files read once just before, so each engine finds them in the page cache.
 
@@ -25,11 +27,15 @@ figure divided by each peer's. Under each workload, the peak RSS (``peak_rss_mib
 process that ran it, measured in that process: start-up included, each workload counted as if it
 ran alone (see benches/peers/common.py).
 
+``--device cuda`` runs ferrollm and HF on the GPU (ferrollm through the peers' runner,
+``--ferrollm-driver peer``, so one process runs every workload; HF moves its model and inputs to
+the GPU) and measures the GPU's roofline (benches/roofline.py ``measure_gpu``) instead of the CPU's.
+
 Run from the repository root with the project's interpreter, after ``bash benches/peers/setup.sh``:
 
     .venv/bin/python benches/side_by_side.py [--model qwen2|smollm2] \
         [--engines ferrollm,hf,vllm,llamacpp] [--workloads startup,mixed,fixed,latency] \
-        [--dtype float32|bfloat16]
+        [--dtype float32|bfloat16] [--device cuda]
 """
 
 from __future__ import annotations
@@ -49,7 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import roofline  # noqa: E402  (benches/ is on the path from here on)
 
 ENGINES = ("ferrollm", "hf", "vllm", "llamacpp")
-WORKLOADS = ("startup", "mixed", "fixed", "latency")
+WORKLOADS = ("startup", "mixed", "fixed", "latency", "nanovllm")
 
 
 @dataclass(frozen=True)
@@ -70,12 +76,15 @@ SPECS = {
     "mixed": Workload("throughput", 64, 272, 136, 240 / 272),
     "fixed": Workload("throughput", 32, 128, 128),
     "latency": Workload("latency", 1, 32, 128),
+    # nano-vllm's bench.py: 256 sequences, input and output lengths uniform in 100-1024.
+    "nanovllm": Workload("throughput", 256, 562, 562, 462 / 562 - 1e-9),
 }
 # --smoke: the same shapes, small enough to prove the harness end to end in a few minutes.
 SMOKE_SPECS = {
     "mixed": Workload("throughput", 4, 48, 12, 1 / 3),
     "fixed": Workload("throughput", 4, 16, 16),
     "latency": Workload("latency", 1, 8, 16, num_iters=1),
+    "nanovllm": Workload("throughput", 8, 48, 12, 1 / 3),
 }
 STARTUP = Workload("latency", 1, 1, 1, num_iters=1, num_iters_warmup=0)
 
@@ -94,6 +103,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=1,
                    help="runs of every engine, alternating; each figure is the median round's")
     p.add_argument("--hf-batch-size", type=int, default=32)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="where ferrollm and HF run (vLLM and llama.cpp are CPU builds)")
+    p.add_argument("--ferrollm-driver", choices=("cli", "peer"), default=None,
+                   help="`ferrollm bench` per workload (cli, the CPU default) or one process through "
+                        "benches/peers/ferrollm_bench.py (peer, the GPU default)")
+    p.add_argument("--enforce-eager", action="store_true", help="ferrollm without CUDA graphs")
+    p.add_argument("--compilation-config", default=None, help="ferrollm's level (0-3) on a GPU")
     p.add_argument("--vllm-enforce-eager", action="store_true")
     p.add_argument("--ferrollm", default=str(Path(sys.executable).parent / "ferrollm"),
                    help="ferrollm CLI (default: the one beside this interpreter)")
@@ -233,11 +249,14 @@ def run_peer(args, engine: str, model: Path, workloads: list[str], requests_dir:
               "--threads", str(args.threads), "--max-model-len", str(args.max_model_len), "--seed", str(args.seed)]
     env: dict = {}
     if engine == "ferrollm":
-        cmd = [sys.executable, str(peers / "ferrollm_bench.py"), *common]
+        cmd = [sys.executable, str(peers / "ferrollm_bench.py"), *common, "--device", args.device]
+        cmd += ["--dtype", args.dtype] if args.device == "cuda" else []
+        cmd += ["--enforce-eager"] if args.enforce_eager else []
+        cmd += ["--compilation-config", args.compilation_config] if args.compilation_config else []
         env["OMP_NUM_THREADS"] = str(args.threads)
     elif engine == "hf":
         cmd = [args.hf_python, str(peers / "hf_bench.py"), *common, "--batch-size", str(args.hf_batch_size),
-               "--dtype", args.dtype]
+               "--dtype", args.dtype, "--device", args.device]
         env["OMP_NUM_THREADS"] = str(args.threads)
     elif engine == "vllm":
         cmd = [str(args.bench_dir / "venv-vllm" / "bin" / "python"), str(peers / "vllm_bench.py"), *common,
@@ -253,7 +272,7 @@ def measure_roofline(args, sizing: Path, llamacpp_gguf: Path | None) -> dict:
     """The machine's ceilings and the bounds they put on the model: "fp32" and "bf16" for engines
     that load it in that dtype, "stored" for the sizing file's bytes as stored, and "llamacpp" for
     the GGUF llama.cpp reads (bf16 peak for a BF16 GGUF, the fp32 one otherwise, as before)."""
-    machine = roofline.measure(args.threads)
+    machine = roofline.measure_gpu() if args.device == "cuda" else roofline.measure(args.threads)
     size = roofline.model_size(sizing)
     params = size["params"]
     roof = {**machine, "model": size,
@@ -277,7 +296,7 @@ def run_engine(args, engine: str, model: Path | None, workloads: list[str], requ
         warm_page_cache(model)
     start = time.perf_counter()
     try:
-        if engine == "ferrollm":
+        if engine == "ferrollm" and args.ferrollm_driver == "cli":
             figures = run_ferrollm(args, model, workloads, requests_dir)
         else:
             figures = run_peer(args, engine, model, workloads, requests_dir)
@@ -289,7 +308,7 @@ def run_engine(args, engine: str, model: Path | None, workloads: list[str], requ
 
 # The figure that picks the median round of each workload.
 MAIN_FIGURE = {"startup": "startup_time", "mixed": "tokens_per_second", "fixed": "tokens_per_second",
-               "latency": "decode_tokens_per_second"}
+               "latency": "decode_tokens_per_second", "nanovllm": "tokens_per_second"}
 
 
 def median_round(runs: list[dict], workloads: list[str]) -> dict:
@@ -311,6 +330,8 @@ def median_round(runs: list[dict], workloads: list[str]) -> dict:
 def main() -> None:
     args = parse_args()
     args.specs = SMOKE_SPECS if args.smoke else SPECS
+    if args.ferrollm_driver is None:
+        args.ferrollm_driver = "peer" if args.device == "cuda" else "cli"
     if args.smoke:
         args.num_iters = 1
     engines = [e for e in args.engines.split(",") if e]
@@ -322,7 +343,7 @@ def main() -> None:
     paths = model_paths(args)
     requests_dir = write_requests(args, workloads, paths["vocab_size"])
     report: dict = {"model": args.model, "dtype": args.dtype, "seed": args.seed, "threads": args.threads,
-                    "engines": {}}
+                    "device": args.device, "engines": {}}
     if "llamacpp" in engines:
         gguf = paths["llamacpp"]
         report["llamacpp_gguf"] = gguf.name  # the dtype of llama.cpp's weights is the GGUF's
@@ -346,6 +367,7 @@ def main() -> None:
     for engine, runs in rounds.items():
         report["engines"][engine] = runs[0] if len(runs) == 1 else median_round(runs, workloads)
     suffix = "" if args.dtype == "float32" else f"-{args.dtype}"  # float32 files keep their old names
+    suffix += "-cuda" if args.device == "cuda" else ""
     stamp = time.strftime("%Y%m%d-%H%M%S")
     out = args.out or args.bench_dir / "results" / f"side_by_side-{args.model}{suffix}-{stamp}.json"
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -11,6 +11,7 @@ workload. Run with the project's interpreter; prints one JSON line (see common.p
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -22,7 +23,12 @@ class FerrollmEngine:
     def __init__(self, args):
         from ferrollm import LLM
 
-        self.llm = LLM(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len, seed=args.seed)
+        extra = {}
+        if args.compilation_config is not None:
+            level = args.compilation_config
+            extra["compilation_config"] = int(level) if level.isdigit() else json.loads(level)
+        self.llm = LLM(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len, seed=args.seed,
+                       device=args.device, enforce_eager=args.enforce_eager, **extra)
         self.temperature = args.temperature
 
     def generate(self, requests: list[Request]) -> list[int]:
@@ -34,6 +40,9 @@ class FerrollmEngine:
 def main() -> None:
     p = parser(__doc__)
     p.add_argument("--dtype", default="auto", help="ferrollm's `dtype` (auto: fp32 on the CPU)")
+    p.add_argument("--device", default="auto", help="ferrollm's `device`: auto, cpu or cuda")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--compilation-config", default=None, help="a level 0-3 or a JSON dict")
     args = p.parse_args()
     # Imported before the clock starts, as the other drivers import torch/transformers and
     # llama_cpp: start-up is the constructor to the first token.

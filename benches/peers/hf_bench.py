@@ -1,5 +1,5 @@
 """HF transformers on the side-by-side workloads: ``generate`` on left-padded batches, in ``--dtype``
-(fp32 by default; a GGUF is dequantized to it).
+(fp32 by default; a GGUF is dequantized to it), on ``--device`` (cpu by default, or cuda).
 
 A user batches with transformers by padding prompts on the left and generating up to the longest
 output the batch asks for; every request in a batch runs until the batch ends, and only the
@@ -29,7 +29,9 @@ class HfEngine:
         path = Path(args.model)
         kwargs = {"gguf_file": path.name} if path.suffix == ".gguf" else {}
         folder = path.parent if path.suffix == ".gguf" else path
-        self.model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, args.dtype), **kwargs).eval()
+        self.device = torch.device(args.device)
+        self.model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, args.dtype), **kwargs)
+        self.model = self.model.to(self.device).eval()
         self.batch_size = args.batch_size
         self.temperature = args.temperature
         self.pad_id = 0
@@ -51,7 +53,8 @@ class HfEngine:
         config = GenerationConfig(max_new_tokens=max_new, top_p=1.0, top_k=None, eos_token_id=[],
                                   pad_token_id=self.pad_id, **sampling)
         with torch.inference_mode():
-            out = self.model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
+            out = self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+                                      generation_config=config)
         generated = out.shape[1] - width
         return [min(r.output_len, generated) for r in requests]
 
@@ -67,6 +70,7 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=32, help="requests per generate() call")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                    help="torch dtype the weights are loaded in and computed with")
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
     args = p.parse_args()
     import torch
     import transformers

@@ -143,10 +143,12 @@ def build_checkpoint(name: str, folder: Path, seed: int = 0,
     return model
 
 
-def load_ferrollm_model(folder: Path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    """Loads the checkpoint in ``folder`` with ferrollm's loader."""
+def load_ferrollm_model(folder: Path, dtype: torch.dtype = torch.float32,
+                        device: torch.device | str = "cpu") -> torch.nn.Module:
+    """Loads the checkpoint in ``folder`` with ferrollm's loader, built on ``device`` (a CPU model
+    keeps its linear weights in CPU forms, so it cannot be moved to a GPU afterwards)."""
     config = transformers.AutoConfig.from_pretrained(folder)
-    return get_model(config, dtype, iterate_safetensors(folder))
+    return get_model(config, dtype, iterate_safetensors(folder), device=device)
 
 
 @dataclass

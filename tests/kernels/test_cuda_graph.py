@@ -36,7 +36,7 @@ def test_cuda_graphs_are_refused_off_cuda():
 def test_replayed_decode_steps_match_eager_steps(tmp_path, dtype):
     device = torch.device("cuda")
     build_checkpoint("llama", tmp_path)
-    model = load_ferrollm_model(tmp_path, dtype).to(device)
+    model = load_ferrollm_model(tmp_path, dtype, device)
     num_layers, num_kv_heads, head_dim = model.kv_cache_spec()
     kv_caches = allocate_kv_cache(num_layers, 64, 16, num_kv_heads, head_dim, dtype, device)
     config = CompilationConfig(cudagraph_capture_sizes=[1, 2, 4, 8])

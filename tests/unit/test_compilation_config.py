@@ -107,3 +107,10 @@ def test_engine_args_validate_the_compilation_config_first():
     assert args.compilation_config.level == CompilationLevel.PIECEWISE
     with pytest.raises(ConfigError, match="`level` must be an int in"):
         EngineArgs(model="unused", compilation_config=7).validate()
+
+
+def test_backend_is_the_torch_compile_backend_and_defaults_to_inductor():
+    assert CompilationConfig().backend == ""  # "" is inductor, as in vLLM
+    assert CompilationConfig.from_value({"level": 3, "backend": "eager"}).backend == "eager"
+    with pytest.raises(ConfigError, match="`backend` must be a torch.compile backend name. Given: 3"):
+        CompilationConfig(backend=3)

@@ -8,6 +8,7 @@ from torch import nn
 
 from ferrollm.attention.backend import AttentionMetadata
 from ferrollm.attention.selector import get_attn_backend
+from ferrollm.exceptions import EngineError
 
 __all__ = ["Attention"]
 
@@ -36,6 +37,9 @@ class Attention(nn.Module):
         self.num_kv_heads = num_kv_heads or num_heads
         self.sliding_window = sliding_window
         self.logits_soft_cap = logits_soft_cap
+        # This layer's position in the model's KV caches, set by `bind_kv_cache_indices` before
+        # the model is compiled: a compiled forward reaches its cache through the forward context.
+        self.kv_cache_index: int | None = None
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata: AttentionMetadata) -> torch.Tensor:
@@ -51,6 +55,8 @@ class Attention(nn.Module):
         Returns:
             ``[num_tokens, num_heads * head_size]``.
         """
+        if torch.compiler.is_compiling():
+            return self._compiled_forward(query, key, value)
         num_tokens = query.shape[0]
         key = key.view(num_tokens, self.num_kv_heads, self.head_size)
         value = value.view(num_tokens, self.num_kv_heads, self.head_size)
@@ -61,6 +67,15 @@ class Attention(nn.Module):
             self.scale, self.sliding_window, self.logits_soft_cap,
         )
         return out.view(num_tokens, self.num_heads * self.head_size)
+
+    def _compiled_forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        # One opaque op per layer (see forward_context): the step's metadata stays out of the trace.
+        from ferrollm.attention.forward_context import unified_attention
+
+        if self.kv_cache_index is None:
+            raise EngineError("an attention layer was compiled before bind_kv_cache_indices numbered it")
+        return unified_attention(query, key, value, self.kv_cache_index, self.num_heads, self.num_kv_heads,
+                                 self.head_size, self.scale, self.sliding_window, self.logits_soft_cap)
 
     def extra_repr(self) -> str:
         return (f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_size={self.head_size}, "

@@ -2,8 +2,9 @@
 they decide.
 
 `LLM(compilation_config=...)` takes what vLLM's takes: a `CompilationConfig`, a dict of its
-fields, or an int level. ferrollm does not run `torch.compile` (yet): the level is validated and
-kept, so scripts written for vLLM run unchanged. What the config does decide is which decode
+fields, or an int level. The level says how the model is compiled on a GPU (worker/compiler.py:
+eager, Dynamo as is, Dynamo once, or PIECEWISE: the graph cut at attention and the pieces compiled
+with ``backend``); on the CPU the model always runs eagerly. The config also decides which decode
 batch sizes get a captured CUDA graph: a decode step of `n` requests is padded to the smallest
 captured size `>= n` (:meth:`CompilationConfig.pad_for_cudagraph`) and replayed, and a larger
 one runs eagerly.
@@ -31,10 +32,10 @@ class CompilationLevel(enum.IntEnum):
     PIECEWISE = 3
 
 
-# vLLM fields that only tune torch.compile/inductor, which ferrollm does not run: accepted in a
-# dict so vLLM scripts keep working, and ignored.
+# vLLM fields that tune its own compiler passes and caches, which ferrollm does not have: accepted
+# in a dict so vLLM scripts keep working, and ignored.
 IGNORED_VLLM_FIELDS = frozenset({
-    "backend", "custom_ops", "splitting_ops", "compile_sizes", "use_inductor", "inductor_compile_config",
+    "custom_ops", "splitting_ops", "compile_sizes", "use_inductor", "inductor_compile_config",
     "inductor_passes", "pass_config", "debug_dump_path", "cache_dir", "compile_cache_save_format",
     "cudagraph_num_of_warmups", "cudagraph_copy_inputs", "full_cuda_graph", "use_inductor_graph_partition",
     "compile_mm_encoder",
@@ -50,8 +51,12 @@ class CompilationConfig:
     """How the model is compiled and which decode batch sizes are captured as CUDA graphs.
 
     Args:
-        level: a :class:`CompilationLevel` (0-3); accepted for compatibility, no compilation runs.
+        level: a :class:`CompilationLevel` (0-3) for a GPU model; default ``NO_COMPILATION``
+            (vLLM's default is ``PIECEWISE``; ferrollm keeps start-up free of compile time unless
+            asked). The CPU always runs eagerly.
         mode: vLLM >= 0.11's name for ``level``.
+        backend: the ``torch.compile`` backend of levels 1-3 (and of PIECEWISE's pieces);
+            ``""`` means ``"inductor"``, as in vLLM.
         cudagraph_capture_sizes: batch sizes to capture; default: vLLM's list, 1, 2, 4, then
             every multiple of 8 below 256 and of 16 from 256, up to ``max_cudagraph_capture_size``.
         max_cudagraph_capture_size: the largest default size; default ``min(2 * max_num_seqs, 512)``.
@@ -65,6 +70,7 @@ class CompilationConfig:
 
     level: int | None = None
     mode: int | None = None
+    backend: str = ""
     cudagraph_capture_sizes: list[int] | None = None
     max_cudagraph_capture_size: int | None = None
     cudagraph_mode: str | None = None
@@ -81,6 +87,8 @@ class CompilationConfig:
             raise ConfigError(f"`level` and `mode` name the same setting and must agree. "
                               f"Given: level={int(self.level)}, mode={int(self.mode)}")
         self.level = self.mode = self.level if self.level is not None else self.mode
+        if not isinstance(self.backend, str):
+            raise ConfigError(f"`backend` must be a torch.compile backend name. Given: {self.backend!r}")
         if self.cudagraph_capture_sizes is not None:
             self.cudagraph_capture_sizes = _sizes(self.cudagraph_capture_sizes)
         if self.max_cudagraph_capture_size is not None:

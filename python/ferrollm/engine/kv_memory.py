@@ -1,7 +1,9 @@
 """How many KV blocks the cache gets.
 
 On the CPU the cache takes `FERROLLM_CPU_KVCACHE_SPACE` GiB (`VLLM_CPU_KVCACHE_SPACE` is accepted
-as an alias; default 4). The pool never grows past what `max_num_seqs` sequences of
+as an alias; default 4). On a GPU it takes `gpu_memory_utilization` of the device less the
+weights, the profiled activation peak, the CUDA graphs' pool and memory outside torch
+(worker/gpu_profiler.py). The pool never grows past what `max_num_seqs` sequences of
 `max_model_len` tokens can use, so a small model with a short context does not reserve GiBs it
 can never touch. If one `max_model_len` sequence does not fit, start-up fails with the largest
 length that would and the options that help.
@@ -38,7 +40,15 @@ def bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_siz
     return 2 * num_layers * num_kv_heads * head_dim * block_size * dtype_size
 
 
-def num_kv_blocks(budget_bytes: int, block_bytes: int, block_size: int, max_model_len: int, max_num_seqs: int) -> int:
+CPU_BUDGET_HINT = "raise FERROLLM_CPU_KVCACHE_SPACE (GiB)"
+
+
+def gpu_budget_hint(gpu_memory_utilization: float) -> str:
+    return f"raise `gpu_memory_utilization` (now {gpu_memory_utilization}), lower `max_num_batched_tokens`"
+
+
+def num_kv_blocks(budget_bytes: int, block_bytes: int, block_size: int, max_model_len: int, max_num_seqs: int,
+                  budget_hint: str = CPU_BUDGET_HINT) -> int:
     """Blocks in the pool, the reserved null block included: all of them fit in the budget, so the
     cache never takes more bytes than were asked for.
 
@@ -52,9 +62,8 @@ def num_kv_blocks(budget_bytes: int, block_bytes: int, block_size: int, max_mode
         raise KVCacheTooSmallError(
             f"the KV cache ({budget_bytes / GIB:.3f} GiB, {usable} blocks of {block_size} tokens) holds "
             f"{fits} tokens, fewer than one sequence of `max_model_len`={max_model_len} needs; the "
-            f"largest `max_model_len` that fits is {fits}. Lower `max_model_len`, raise "
-            f"FERROLLM_CPU_KVCACHE_SPACE (GiB), use a quantized model or a larger "
-            f"`tensor_parallel_size`."
+            f"largest `max_model_len` that fits is {fits}. Lower `max_model_len`, {budget_hint}, "
+            f"use a quantized model or a larger `tensor_parallel_size`."
         )
     useful = max_num_seqs * needed_one
     return min(usable, useful) + 1

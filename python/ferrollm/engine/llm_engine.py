@@ -112,6 +112,7 @@ class LLMEngine:
         self.executor = executor
         # Wall time every rank took to load its weights (the slowest rank's).
         self.model_load_seconds = 0.0
+        self.memory_profile = None
         self.model_config = model_config
         self.tokenizers = tokenizers
         self.core = core
@@ -166,9 +167,15 @@ class LLMEngine:
                       clock: StartupClock) -> LLMEngine:
         """A generative engine: every rank loads its shard and states how many KV blocks it can
         hold; the core gets the smallest number, and every rank allocates that many."""
+        batched = _batched_tokens(args, mc.max_model_len)
+        # The decode sizes every GPU rank captures as CUDA graphs (vLLM's defaults capped by
+        # max_num_seqs); none with enforce_eager or on the CPU.
+        compilation = CompilationConfig.from_value(args.compilation_config)
+        compilation.init_capture_sizes(args.max_num_seqs, batched,
+                                       enforce_eager=args.enforce_eager or device.type != "cuda")
         options = CacheOptions(block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-                               max_num_batched_tokens=_batched_tokens(args, mc.max_model_len),
-                               gpu_memory_utilization=args.gpu_memory_utilization, load_format=args.load_format)
+                               max_num_batched_tokens=batched, gpu_memory_utilization=args.gpu_memory_utilization,
+                               load_format=args.load_format, compilation_config=compilation)
         executor: MultiprocExecutor | ExternalLauncherExecutor | None = None
         if args.tensor_parallel_size > 1:
             check_tp_shapes(mc.hf_config, args.tensor_parallel_size)
@@ -189,7 +196,7 @@ class LLMEngine:
                 num_blocks = min(run("load_model"))
             load_seconds = time.perf_counter() - start
             with clock.phase("KV cache"):
-                core = _build_core(args, mc, driver.sliding_window(), num_blocks, tokenizers, device)
+                core = _build_core(args, mc, driver.sliding_window(), num_blocks, tokenizers)
                 run("init_kv_cache", num_blocks, tokenizers.core.eos_token_ids)
         except BaseException:
             if executor is not None:
@@ -200,6 +207,8 @@ class LLMEngine:
         assert driver.runner is not None
         engine = cls(args, mc, tokenizers, core, driver.runner, executor)
         engine.model_load_seconds = load_seconds
+        # Rank 0's GPU start-up measurements (None on the CPU), for logs and tests.
+        engine.memory_profile = driver.memory_profile
         _log_memory(args, mc, driver.runner, num_blocks)
         return engine
 
@@ -303,6 +312,9 @@ class LLMEngine:
             self.core.set_step_broadcaster(None)
             self.executor.shutdown()
         self.runner.kv_caches.clear()
+        if isinstance(self.runner, ModelRunner):
+            # The graphs hold the cache's and their pool's memory until they are dropped.
+            self.runner.cuda_graphs = None
         self.tokenizers.close()
 
 
@@ -340,13 +352,9 @@ def _log_memory(args: EngineArgs, mc: ModelConfig, runner: ModelRunner, num_bloc
                args.max_num_seqs)
 
 
-def _build_core(args: EngineArgs, mc: ModelConfig, window: int | None, num_blocks: int, tokenizers: Tokenizers,
-                device: torch.device) -> EngineCore:
+def _build_core(args: EngineArgs, mc: ModelConfig, window: int | None, num_blocks: int,
+                tokenizers: Tokenizers) -> EngineCore:
     batched = _batched_tokens(args, mc.max_model_len)
-    # Decides (and checks) the decode sizes a CUDA graph runner would capture. Capture itself is
-    # not switched on until the graph runner has been validated on a GPU (tests/kernels/test_cuda_graph.py).
-    CompilationConfig.from_value(args.compilation_config).init_capture_sizes(
-        args.max_num_seqs, batched, enforce_eager=args.enforce_eager or device.type != "cuda")
     return EngineCore(
         tokenizer=tokenizers.core, block_size=args.block_size, num_blocks=num_blocks,
         enable_prefix_caching=args.enable_prefix_caching, max_num_seqs=args.max_num_seqs,

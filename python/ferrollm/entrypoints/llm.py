@@ -43,9 +43,11 @@ class LLM(PoolingMixin):
         hf_overrides: a dict merged into the model's config, or a callable that edits it.
         device: "auto", "cpu" or "cuda".
         gpu_memory_utilization: fraction of GPU memory the engine may take (GPU only).
-        enforce_eager: never capture CUDA graphs (GPU only).
+        enforce_eager: never capture CUDA graphs (GPU only). By default a GPU engine captures its
+            decode steps at `compilation_config`'s sizes and pads each decode batch to the next one.
         compilation_config: a `CompilationConfig`, a dict of its fields or an int level, as vLLM
-            takes it; decides the CUDA-graph capture sizes (no torch.compile runs).
+            takes it: the CUDA-graph capture sizes and, on a GPU, the torch.compile level
+            (default NO_COMPILATION; PIECEWISE cuts the graph at attention).
         quantization: the weights' quantization method. None reads it from the checkpoint
             (``quantization_config`` in config.json: compressed-tensors, gptq, awq, fp8; or a
             GGUF file). Naming the checkpoint's own method is accepted (``gptq_marlin`` and

@@ -11,6 +11,8 @@ data and dropped when the core reports the request finished.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
@@ -36,6 +38,8 @@ class ModelRunner:
         cuda_graphs: replays captured decode steps (CUDA only); None runs every step eagerly.
         is_driver: rank 0, which samples; other ranks only take part in the collectives and
             know a request's parameters from the core's new-request data.
+        forward: the model's compiled forward (worker/compiler.py), run instead of ``model``
+            for the steps no graph replays; None runs ``model``.
     """
 
     def __init__(
@@ -48,8 +52,10 @@ class ModelRunner:
         eos_token_ids: list[int],
         cuda_graphs: CudaGraphRunner | None = None,
         is_driver: bool = True,
+        forward: Callable[..., torch.Tensor] | None = None,
     ):
         self.model = model
+        self.forward = forward or model
         self.is_driver = is_driver
         self.vocab_size = vocab_size
         self.eos_token_ids = list(eos_token_ids)
@@ -102,7 +108,7 @@ class ModelRunner:
         positions = torch.from_numpy(step.positions).to(self.device)
         hidden = self.cuda_graphs.execute(input_ids, positions, meta) if self.cuda_graphs else None
         if hidden is None:
-            hidden = self.model(input_ids, positions, self.kv_caches, meta)
+            hidden = self.forward(input_ids, positions, self.kv_caches, meta)
         states = [self.requests[i] for i in step.req_indices.tolist()]
         self._record_prompt_logprobs(step, states, hidden)
         # Only rows whose step completes their known tokens sample: a prefill chunk must not

@@ -9,28 +9,44 @@ Rank 0's worker lives in the caller's process; the others in spawned `WorkerProc
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from ferrollm._core import SchedulerOutput
 from ferrollm.attention.backend import allocate_kv_cache
+from ferrollm.config.compilation import CompilationConfig
 from ferrollm.config.model_config import ModelConfig
-from ferrollm.engine.kv_memory import bytes_per_block, cpu_kv_cache_bytes, num_kv_blocks
+from ferrollm.engine.kv_memory import (
+    CPU_BUDGET_HINT,
+    bytes_per_block,
+    cpu_kv_cache_bytes,
+    gpu_budget_hint,
+    num_kv_blocks,
+)
 from ferrollm.exceptions import EngineError
 from ferrollm.worker.model_runner import ModelRunner
+
+logger = logging.getLogger("ferrollm")
 
 
 @dataclass
 class CacheOptions:
-    """The engine options that size the KV cache (the same on every rank)."""
+    """The engine options that size the KV cache and decide how a GPU rank runs the model (the
+    same on every rank).
+
+    ``compilation_config`` has had ``init_capture_sizes`` run: its ``capture_sizes`` are the decode
+    batch sizes to capture (none with ``enforce_eager`` or on the CPU).
+    """
 
     block_size: int
     max_num_seqs: int
     max_num_batched_tokens: int
     gpu_memory_utilization: float
     load_format: str = "auto"
+    compilation_config: CompilationConfig = field(default_factory=CompilationConfig)
 
 
 class Worker:
@@ -53,6 +69,8 @@ class Worker:
         self.device = device
         self.model: torch.nn.Module | None = None
         self.runner: ModelRunner | None = None
+        # A GPU rank's start-up measurements (worker/gpu_profiler.py).
+        self.memory_profile = None
 
     def load_model(self) -> int:
         """Loads this rank's shards; returns how many KV blocks this rank's memory holds."""
@@ -68,23 +86,35 @@ class Worker:
         return model.sliding_window_spec() if hasattr(model, "sliding_window_spec") else None
 
     def num_kv_blocks(self) -> int:
-        """KV blocks that fit in this rank's budget: ``FERROLLM_CPU_KVCACHE_SPACE`` on the CPU,
-        `gpu_memory_utilization` of the device minus what is in use on a GPU."""
+        """KV blocks that fit in this rank's budget: ``FERROLLM_CPU_KVCACHE_SPACE`` on the CPU; on a
+        GPU, `gpu_memory_utilization` of the device less the weights, the activation peak of a
+        profiled largest step, the CUDA graphs' pool and memory outside torch (as vLLM does)."""
         opts, mc = self.options, self.model_config
         num_layers, num_kv_heads, head_dim = self._model().kv_cache_spec()
         dtype_size = torch.tensor([], dtype=mc.dtype).element_size()
         block_bytes = bytes_per_block(num_layers, num_kv_heads, head_dim, opts.block_size, dtype_size)
         if self.device.type == "cpu":
-            budget = cpu_kv_cache_bytes()
+            budget, hint = cpu_kv_cache_bytes(), CPU_BUDGET_HINT
         else:
-            free, total = torch.cuda.mem_get_info(self.device)
-            budget = max(0, int(total * opts.gpu_memory_utilization) - (total - free))
+            budget, hint = self._profile_gpu_budget(), gpu_budget_hint(opts.gpu_memory_utilization)
         # When every layer slides, the core frees blocks behind the window: a sequence then holds
         # at most the window plus one step's chunk, whatever its length.
         window = self.sliding_window()
         batched = opts.max_num_batched_tokens
         seq_tokens = mc.max_model_len if window is None else min(mc.max_model_len, window + batched + 2 * opts.block_size)
-        return num_kv_blocks(budget, block_bytes, opts.block_size, seq_tokens, opts.max_num_seqs)
+        return num_kv_blocks(budget, block_bytes, opts.block_size, seq_tokens, opts.max_num_seqs, hint)
+
+    def _profile_gpu_budget(self) -> int:
+        from ferrollm.worker.cuda_graph import host_sync_reason
+        from ferrollm.worker.gpu_profiler import profile_memory
+
+        opts, mc, model = self.options, self.model_config, self._model()
+        sizes = opts.compilation_config.capture_sizes if host_sync_reason(model) is None else []
+        self.memory_profile = profile_memory(
+            model, mc.dtype, opts.block_size, opts.max_num_batched_tokens, opts.max_num_seqs, mc.max_model_len,
+            int(mc.hf_config.vocab_size), sizes, self.device)
+        logger.info("rank %d: %s", self.rank, self.memory_profile.describe(opts.gpu_memory_utilization))
+        return self.memory_profile.kv_cache_budget(opts.gpu_memory_utilization)
 
     def init_kv_cache(self, num_blocks: int, eos_token_ids: list[int]) -> None:
         """Allocates ``num_blocks`` KV blocks (the ranks' agreed number) and builds the runner."""
@@ -92,9 +122,39 @@ class Worker:
         num_layers, num_kv_heads, head_dim = model.kv_cache_spec()
         kv_caches = allocate_kv_cache(num_layers, num_blocks, self.options.block_size, num_kv_heads, head_dim,
                                       mc.dtype, self.device)
+        forward, graphs = self._gpu_forward(kv_caches) if self.device.type == "cuda" else (None, None)
         self.runner = ModelRunner(model, kv_caches, self.options.block_size, self.device,
                                   vocab_size=int(mc.hf_config.vocab_size), eos_token_ids=eos_token_ids,
-                                  is_driver=self.rank == 0)
+                                  cuda_graphs=graphs, is_driver=self.rank == 0, forward=forward)
+
+    def _gpu_forward(self, kv_caches: list[torch.Tensor]):
+        """The compiled forward (None at NO_COMPILATION) and the captured decode graphs (None when
+        nothing is captured) of a GPU rank."""
+        from ferrollm.worker.compiler import compile_model
+        from ferrollm.worker.cuda_graph import CudaGraphRunner, host_sync_reason
+        from ferrollm.worker.gpu_profiler import padding_batch
+
+        opts, mc, model = self.options, self.model_config, self._model()
+        config = opts.compilation_config
+        blocker = host_sync_reason(model)
+        compiled = None
+        if blocker is None:
+            compiled = compile_model(model, config)
+        elif (config.level or 0) > 0 or config.capture_sizes:
+            logger.warning("%s runs eagerly, without torch.compile or CUDA graphs: %s", mc.architecture, blocker)
+        if compiled is not None:
+            compiled.warm_up(lambda n: padding_batch(n, opts.block_size, mc.max_model_len, self.device), kv_caches,
+                             opts.max_num_batched_tokens)
+        graphs = None
+        if config.capture_sizes and blocker is None:
+            graphs = CudaGraphRunner(compiled or model, kv_caches, config, opts.block_size, mc.max_model_len,
+                                     self.device)
+            graphs.capture()
+            estimate = self.memory_profile.graphs if self.memory_profile else 0
+            if graphs.graph_memory_bytes > 1.5 * estimate + (64 << 20):
+                logger.warning("CUDA graphs took %.1f MiB, more than the %.1f MiB the profile set aside",
+                               graphs.graph_memory_bytes / (1 << 20), estimate / (1 << 20))
+        return compiled, graphs
 
     def execute_model(self, step: SchedulerOutput) -> np.ndarray:
         if self.runner is None:

@@ -64,8 +64,9 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     rows, oneDNN from three, `F.linear` where neither takes the operands."""
     if cpu_kernels.gemv_supported(x, weight):
         return cpu_kernels.gemv(x, weight, bias)
-    if (x.dim() == 2 and x.shape[0] > 0 and x.dtype == weight.dtype and weight.is_contiguous()
-            and _onednn_runs(x.dtype)):
+    # `is_cpu` first: on a GPU this is plain F.linear, with no Python call torch.compile breaks on.
+    if (x.is_cpu and x.dtype in (torch.float32, torch.bfloat16) and x.dim() == 2 and x.shape[0] > 0
+            and x.dtype == weight.dtype and weight.is_contiguous() and _onednn_runs(x.dtype)):
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
 

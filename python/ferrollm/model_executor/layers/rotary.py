@@ -85,6 +85,10 @@ class RotaryEmbedding(nn.Module):
         (~5% of a profiled CPU prefill step)."""
         half = self.rotary_dim // 2
         x1, x2 = x[..., :half], x[..., half : self.rotary_dim]
+        if torch.compiler.is_compiling():
+            # torch.compile cannot trace `out=` into strided views; it fuses this form anyway.
+            rest = x[..., self.rotary_dim :]
+            return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], dim=-1)
         out = torch.empty_like(x)
         out1, out2 = out[..., :half], out[..., half : self.rotary_dim]
         torch.mul(x1, cos, out=out1).addcmul_(x2, sin, value=-1)

@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# The GPU run of issue #24, on a machine with one CUDA GPU, from the repository root, with the
+# built extension (python/ferrollm/_core.abi3.so) in the tree. Logs and JSON go to $OUT (default
+# ./gpu-out). Each step has its own timeout, so one hang does not eat the run.
+#
+#   bash benches/gpu_run.sh tests      # the gpu-marked tests: kernels, then the engine on cuda
+#   bash benches/gpu_run.sh bench      # side_by_side: startup, mixed, fixed, latency vs HF, bf16
+#   bash benches/gpu_run.sh nanovllm   # nano-vllm's shape: 256 seqs, in/out 100-1023
+#
+# Optional: wheels of missing pure-Python packages in .gpuwhl/ are installed to /tmp/site first.
+set -o pipefail
+MODE=${1:-tests}
+OUT=${OUT:-$PWD/gpu-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0 TOKENIZERS_PARALLELISM=false
+export PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}"
+PY=${PY:-python3}
+if ls .gpuwhl/*.whl >/dev/null 2>&1; then
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gpuwhl/*.whl \
+        && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
+BENCH=/tmp/bench
+step() {  # step NAME SECONDS CMD...: runs CMD with a timeout, its output in $OUT/NAME.log
+    local name=$1 secs=$2; shift 2
+    echo "=== $name (timeout ${secs}s): $*"
+    local t0=$SECONDS
+    timeout "$secs" "$@" 2>&1 | tee "$OUT/$name.log" | tail -n 25
+    local rc=${PIPESTATUS[0]}
+    echo "=== $name: exit $rc after $((SECONDS - t0)) s"
+}
+
+case $MODE in
+tests)
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
+    $PY -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)" | tee -a "$OUT/gpu.txt"
+    step kernels 300 $PY -m pytest -q -m gpu tests/kernels -p no:cacheprovider -rfE
+    step engine 420 $PY -m pytest -q -m gpu tests/e2e/test_gpu.py -p no:cacheprovider -rfE --durations=8
+    ;;
+bench)
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
+    step checkpoint 180 $PY benches/make_checkpoint.py $BENCH/qwen2-0.5b --dtype bfloat16
+    step bench 480 $PY benches/side_by_side.py --device cuda --dtype bfloat16 --engines ferrollm,hf \
+        --workloads startup,mixed,fixed,latency --bench-dir $BENCH --out "$OUT/side_by_side-cuda.json"
+    cp $BENCH/logs/*.log "$OUT/" 2>/dev/null
+    ;;
+nanovllm)
+    [ -f $BENCH/qwen2-0.5b/model.safetensors ] || step checkpoint 180 $PY benches/make_checkpoint.py $BENCH/qwen2-0.5b --dtype bfloat16
+    step nanovllm 300 $PY benches/side_by_side.py --device cuda --dtype bfloat16 --engines ferrollm \
+        --workloads nanovllm --max-model-len 4096 --bench-dir $BENCH --out "$OUT/nanovllm-cuda.json"
+    step nanovllm_hf ${HF_TIMEOUT:-240} $PY benches/side_by_side.py --device cuda --dtype bfloat16 --engines hf \
+        --workloads nanovllm --max-model-len 4096 --hf-batch-size 256 --skip-roofline --bench-dir $BENCH \
+        --out "$OUT/nanovllm-hf-cuda.json"
+    ;;
+*)
+    echo "unknown mode $MODE (tests, bench, nanovllm)"; exit 2 ;;
+esac
