@@ -179,7 +179,13 @@ def test_quantized_smollm2_is_kept_in_blocks_read_from_the_file():
     config, weights = load_gguf(path, quant)
     model = get_model(config, torch.float32, weights, quant_config=quant)
     forms = [m._cpu for m in model.modules() if isinstance(getattr(m, "_cpu", None), QuantizedLinear)]
-    assert len(forms) == 4 * config.num_hidden_layers
+    assert len(forms) == 4 * config.num_hidden_layers + 1  # and the LM head, tied to the Q8_0 embedding
+    assert model.model.embed_tokens.weight.numel() == 0  # the table stays in the file, decoded by row
+    ids = torch.tensor([1, 500, 49151])
+    expected = torch.from_numpy(gguf.quants.dequantize(
+        np.asarray(open_gguf(path).tensor_bytes(open_gguf(path).tensors[0])).reshape(49152, -1), Q.Q8_0))[ids]
+    assert open_gguf(path).tensors[0].name == "token_embd.weight"
+    torch.testing.assert_close(model.model.embed_tokens(ids), expected, atol=0, rtol=0)
     mapping = open_gguf(path)
     start = mapping.tensor_bytes(mapping.tensors[0]).ctypes.data
     for layer in model.model.layers:

@@ -19,6 +19,8 @@ from ferrollm.distributed import (
     tensor_model_parallel_all_reduce,
 )
 from ferrollm.model_executor.layers.cpu_weights import CpuWeight, build_cpu_weight, dense_linear
+from ferrollm.model_executor.layers.quantization.forms import QuantizedLinear, build_quantized_form
+from ferrollm.model_executor.layers.quantization.qweights import GGUFWeight
 from ferrollm.model_executor.weight_utils import check_shape, copy_weight, share_or_copy
 
 __all__ = ["DEFAULT_VOCAB_PADDING_SIZE", "ParallelLMHead", "VocabParallelEmbedding", "pad_vocab_size"]
@@ -61,22 +63,38 @@ class VocabParallelEmbedding(nn.Module):
         self.weight.weight_loader = self.weight_loader
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
-        """Copies this rank's rows of the full ``[vocab, hidden]`` table; zeros the padding."""
+        """Copies this rank's rows of the full ``[vocab, hidden]`` table; zeros the padding. GGUF
+        blocks (`GGUFWeight`) are kept as they are: this rank's rows of the file's mapping."""
         check_shape((self.org_vocab_size, self.embedding_dim), loaded_weight, "vocabulary table")
+        num_rows = max(0, min(self.org_vocab_size, self.vocab_end_index) - self.vocab_start_index)
+        if isinstance(loaded_weight, GGUFWeight):
+            param.gguf = loaded_weight.narrow(0, self.vocab_start_index, num_rows)
+            param.data = torch.empty((0, self.embedding_dim), dtype=param.dtype)
+            return None
         if self.tp_size == 1 and self.num_embeddings_padded == self.org_vocab_size:
             return share_or_copy(param, loaded_weight, "vocabulary table")
-        num_rows = max(0, min(self.org_vocab_size, self.vocab_end_index) - self.vocab_start_index)
         copy_weight(param.data[:num_rows], loaded_weight.narrow(0, self.vocab_start_index, num_rows))
         param.data[num_rows:].zero_()
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Looks up ``input_ids`` (any shape); returns ``[*input_ids.shape, hidden]``."""
         if self.tp_size == 1:
-            return F.embedding(input_ids, self.weight)
+            return self._lookup(input_ids)
         outside = (input_ids < self.vocab_start_index) | (input_ids >= self.vocab_end_index)
         local_ids = (input_ids - self.vocab_start_index).masked_fill(outside, 0)
-        out = F.embedding(local_ids, self.weight).masked_fill(outside[..., None], 0)
+        out = self._lookup(local_ids).masked_fill(outside[..., None], 0)
         return tensor_model_parallel_all_reduce(out)
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        blocks = getattr(self.weight, "gguf", None)
+        if blocks is None:
+            return F.embedding(ids, self.weight)
+        # GGUF: decode just the rows looked up, from the file's blocks.
+        from ferrollm.kernels.cpu.gguf import dequantize
+
+        rows = blocks.data.index_select(0, ids.reshape(-1))
+        table = dequantize(rows.numpy(), blocks.ggml_type, (rows.shape[0], self.embedding_dim))
+        return table.to(self.weight.dtype).view(*ids.shape, self.embedding_dim)
 
     def extra_repr(self) -> str:
         return (f"vocab={self.org_vocab_size} (padded {self.num_embeddings_padded}), "
@@ -118,11 +136,16 @@ class ParallelLMHead(VocabParallelEmbedding):
         raise RuntimeError("ParallelLMHead is applied with compute_logits(), not called")
 
     # The head's CPU form (see `cpu_weights`), built by `finish_cpu_weight` after loading.
-    _cpu: CpuWeight | None = None
+    _cpu: CpuWeight | QuantizedLinear | None = None
 
     def finish_cpu_weight(self, form: str | None) -> None:
         """Builds the head's CPU form from its loaded weight. A tied head shares the embedding's
-        table, which the embedding keeps; the ``"rows"`` form reads that table itself."""
+        table, which the embedding keeps; the ``"rows"`` form reads that table itself, and GGUF
+        blocks are multiplied from the file by the block kernels."""
+        blocks = getattr(self.weight, "gguf", None)
+        if blocks is not None and self._cpu is None:
+            self._cpu = build_quantized_form([(0, blocks)], torch.device("cpu"))
+            return
         if form is None or self._cpu is not None:
             return
         self._cpu = build_cpu_weight(form, [(0, self.weight.detach())], *self.weight.shape)
@@ -139,7 +162,12 @@ class ParallelLMHead(VocabParallelEmbedding):
         Returns:
             float32 ``[num_tokens, vocab_size]``, padding removed.
         """
-        if self._cpu is not None:
+        if isinstance(self._cpu, QuantizedLinear):  # GGUF: the org_vocab rows this rank holds
+            logits = self._cpu.linear(hidden_states, None)
+            logits = F.pad(logits, (0, self.num_embeddings_per_partition - logits.shape[-1]))
+            if self.bias is not None:
+                logits = logits + self.bias
+        elif self._cpu is not None:
             logits = self._cpu.linear(hidden_states, self.bias)
         else:
             logits = dense_linear(hidden_states, self.weight, self.bias)

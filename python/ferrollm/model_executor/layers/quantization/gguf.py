@@ -4,8 +4,9 @@ cost their file bytes, shared through the page cache, and decode reads 4-6 bits 
 
 Which tensors stay blocks is decided once per file (`GGUFConfig.keeps`): the linear projections
 whose type has a kernel (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) on the CPU, when every
-projection fused with it does too. Embeddings, norms, the LM head and any other type are
-dequantized at load as before, and logged.
+projection fused with it does too, and the vocabulary table and LM head of such a type (the
+embedding decodes the rows it looks up). Norms and any other type are dequantized at load as
+before, and logged.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ logger = logging.getLogger(__name__)
 
 # The per-layer projections a linear layer reads (HF names), and the fused layers made of them.
 _PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_VOCAB_TABLES = ("model.embed_tokens.weight", "lm_head.weight")
 
 
 class GGUFConfig(QuantizationConfig):
@@ -43,7 +45,8 @@ class GGUFConfig(QuantizationConfig):
         """The file's tensor types by HF name, and where the model runs."""
         self.types, self.device = types, device
         kept = sorted({_type_name(t) for n, t in types.items() if self.keeps(n)})
-        other = sorted({_type_name(t) for n, t in types.items() if not self.keeps(n) and _is_projection(n)})
+        other = sorted({_type_name(t) for n, t in types.items()
+                        if not self.keeps(n) and (_is_projection(n) or n in _VOCAB_TABLES)})
         logger.info("GGUF projections kept quantized: %s; dequantized at load: %s", kept or "none", other or "none")
 
     def describe(self) -> str:
@@ -51,8 +54,13 @@ class GGUFConfig(QuantizationConfig):
 
     def keeps(self, hf_name: str) -> bool:
         """Whether the tensor stays llama.cpp blocks: a projection with a block kernel, and every
-        projection fused with it as well."""
-        if not _is_projection(hf_name) or self.device.type != "cpu":
+        projection fused with it as well; or the vocabulary table (looked up row by row, and
+        multiplied as the LM head) with one."""
+        if self.device.type != "cpu":
+            return False
+        if hf_name in _VOCAB_TABLES:
+            return _has_kernel(self.types.get(hf_name))
+        if not _is_projection(hf_name):
             return False
         layer = hf_name.rsplit(".", 2)[0]
         return all(_has_kernel(self.types.get(f"{layer}.{p}.weight")) for p in self._siblings(hf_name))
