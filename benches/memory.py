@@ -57,6 +57,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     # What side_by_side's helpers read from their own command line.
     args.dtype, args.hf_batch_size, args.num_iters, args.log_prefix = "float32", 32, 1, "memory"
+    # side_by_side's peer runner reads its GPU options too; memory is measured on the CPU.
+    args.device, args.enforce_eager, args.compilation_config = "cpu", False, None
     args.specs = {"memory": SMOKE_WORKLOAD if args.smoke else WORKLOAD}
     return args
 
