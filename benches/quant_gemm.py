@@ -19,12 +19,17 @@ Printed, in one run:
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
 import torch
 from ferrollm.kernels import cpu as cpu_kernels
 from ferrollm.kernels.cpu import quant
 from ferrollm.model_executor.layers.cpu_weights import dense_linear
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cpu_gemm import _step_seconds  # noqa: E402  (the fp32 benchmark's timing loop)
 
 SHAPES = [(1152, 896), (896, 896), (9728, 896), (896, 4864)]
 
@@ -91,16 +96,7 @@ FORMATS = {
 
 def _seconds(layers, rows: int, repeats: int) -> float:
     """Best of `repeats` passes over every layer's products (after one warm-up pass)."""
-    xs = [torch.randn(rows, k) for _, k in SHAPES]
-    best = float("inf")
-    for rep in range(repeats + 1):
-        start = time.perf_counter()
-        for layer in layers:
-            for product, x in zip(layer, xs):
-                product(x)
-        if rep:
-            best = min(best, time.perf_counter() - start)
-    return best
+    return _step_seconds(layers, [torch.randn(rows, k) for _, k in SHAPES], repeats)
 
 
 def _sum_bandwidth(repeats: int = 5) -> float:
