@@ -20,6 +20,7 @@ from ferrollm.distributed import (
 )
 from ferrollm.model_executor.layers.cpu_weights import CpuWeight, build_cpu_weight, dense_linear
 from ferrollm.model_executor.layers.quantization.forms import QuantizedLinear, build_quantized_form
+from ferrollm.model_executor.layers.quantization.gguf import head_weight
 from ferrollm.model_executor.layers.quantization.qweights import GGUFWeight
 from ferrollm.model_executor.weight_utils import check_shape, copy_weight, share_or_copy
 
@@ -144,7 +145,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         blocks are multiplied from the file by the block kernels."""
         blocks = getattr(self.weight, "gguf", None)
         if blocks is not None and self._cpu is None:
-            self._cpu = build_quantized_form([(0, blocks)], torch.device("cpu"))
+            self._cpu = build_quantized_form([(0, head_weight(blocks))], torch.device("cpu"))
             return
         if form is None or self._cpu is not None:
             return
