@@ -18,7 +18,7 @@ minutes, one round per engine leaves each ratio to whichever minutes each engine
 
 ``--dtype`` picks the dtype every engine runs in (default float32). For bfloat16, ferrollm, HF
 and vLLM load the checkpoint in bf16, and llama.cpp reads a BF16 GGUF that llama.cpp's own
-quantizer makes once from the f32 one (benches/peers/gguf_bf16.py, cached in the bench folder);
+quantizer makes once from the f32 one (benches/peers/gguf_quantize.py, cached in the bench folder);
 with ``--model smollm2`` llama.cpp keeps the stored Q4_1 GGUF, which bf16 would only inflate.
 
 Throughput counts only the tokens each request asked for. Beside each figure: the machine's
@@ -31,11 +31,19 @@ ran alone (see benches/peers/common.py).
 ``--ferrollm-driver peer``, so one process runs every workload; HF moves its model and inputs to
 the GPU) and measures the GPU's roofline (benches/roofline.py ``measure_gpu``) instead of the CPU's.
 
+ferrollm's figures also carry the weight bytes its start-up log reports (``weights_mib``, and
+``quantized_linear_mib`` for quantized layers); llama.cpp's, the bytes of its model's tensors.
+
+``--quant`` runs the quantized side-by-side instead (benches/quant_bench.py): the SmolLM2 Q4_1
+GGUF, the Qwen2-0.5B-shaped checkpoint as Q8_0/Q4_0 GGUF (ferrollm beside llama.cpp on the same
+file) and as compressed-tensors W8A8/W4A16 beside the same model in fp32 and bf16 (ferrollm).
+
 Run from the repository root with the project's interpreter, after ``bash benches/peers/setup.sh``:
 
     .venv/bin/python benches/side_by_side.py [--model qwen2|smollm2] \
         [--engines ferrollm,hf,vllm,llamacpp] [--workloads startup,mixed,fixed,latency] \
         [--dtype float32|bfloat16] [--device cuda]
+    .venv/bin/python benches/side_by_side.py --quant all [--workloads latency,mixed] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -43,6 +51,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -92,7 +101,10 @@ STARTUP = Workload("latency", 1, 1, 1, num_iters=1, num_iters_warmup=0)
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--engines", default=",".join(ENGINES))
-    p.add_argument("--workloads", default=",".join(WORKLOADS))
+    p.add_argument("--workloads", default=None, help=f"default: {','.join(WORKLOADS)} (with --quant: latency,mixed)")
+    p.add_argument("--quant", default=None,
+                   help="the quantized side-by-side instead: 'all' or some of "
+                        "smollm2-q4_1,gguf-q8_0,gguf-q4_0,ct-w8a8,ct-w4a16,fp32,bf16 (benches/quant_bench.py)")
     p.add_argument("--model", choices=("qwen2", "smollm2"), default="qwen2")
     p.add_argument("--dtype", choices=tuple(roofline.DTYPES), default="float32", help="the dtype every engine runs in")
     p.add_argument("--bench-dir", type=Path, default=REPO / ".bench")
@@ -114,6 +126,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--ferrollm", default=str(Path(sys.executable).parent / "ferrollm"),
                    help="ferrollm CLI (default: the one beside this interpreter)")
     p.add_argument("--hf-python", default=sys.executable, help="interpreter for HF (default: this one)")
+    p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
+                   help="set in every engine's environment, and kept in the report (repeatable)")
     p.add_argument("--skip-roofline", action="store_true")
     p.add_argument("--smoke", action="store_true", help="tiny workloads: checks the harness, measures nothing")
     p.add_argument("--out", type=Path, default=None, help="JSON of every figure (default under <bench-dir>/results)")
@@ -146,7 +160,7 @@ def bf16_gguf(args, dst: Path) -> None:
     src = args.bench_dir / "qwen2-0.5b-f32.gguf"
     print(f"llama.cpp: converting {src.name} -> {dst.name} ...", file=sys.stderr, flush=True)
     cmd = [str(args.bench_dir / "venv-llamacpp" / "bin" / "python"),
-           str(Path(__file__).resolve().parent / "peers" / "gguf_bf16.py"), str(src), str(dst),
+           str(Path(__file__).resolve().parent / "peers" / "gguf_quantize.py"), str(src), str(dst), "--ftype", "bf16",
            "--threads", str(args.threads)]
     _run(cmd, _log_path(args, "llamacpp"))
 
@@ -215,16 +229,39 @@ def run_ferrollm(args, model: Path, workloads: list[str], requests_dir: Path) ->
             iters = w.num_iters if name == "startup" else args.num_iters
             cmd += ["--batch-size", str(w.num_prompts), "--num-iters", str(iters),
                     "--num-iters-warmup", str(w.num_iters_warmup)]
+        start = log.stat().st_size if log.exists() else 0
         sys.stdout.write(_run(cmd, log, env))
-        figures = json.loads(out.read_text())
+        figures = {**json.loads(out.read_text()), **logged_weight_bytes(log, start)}
         if name == "startup":
             figures = {"startup_time": figures["startup_time"] + figures["latencies"][0],
-                       "constructor_time": figures["startup_time"], "peak_rss_mib": figures["peak_rss_mib"]}
+                       "constructor_time": figures["startup_time"], "peak_rss_mib": figures["peak_rss_mib"],
+                       **logged_weight_bytes(log, start)}
         elif w.kind == "throughput":
             _check_same_requests(name, figures, requests_dir)
             figures["num_output_tokens"] = figures["total_num_tokens"] - _prompt_tokens(requests_dir, name)
         result[name] = figures
     return result
+
+
+# What ferrollm's start-up log says its weights hold (engine/startup_report.py, quantization/__init__.py).
+_WEIGHTS_LOG = re.compile(r"memory: weights ([\d.]+) MiB \(([\d.]+) MiB of them mapped")
+_QUANTIZED_LOG = re.compile(r"quantized linear weights: ([\d.]+) MiB, from ([\d.]+) MiB")
+
+
+def logged_weight_bytes(log: Path, start: int) -> dict:
+    """The weight figures of the last start-up logged past byte ``start`` of ``log``, in MiB:
+    ``weights_mib`` (every weight the engine holds), ``weights_mapped_mib`` (of them, pages of the
+    checkpoint file), ``quantized_linear_mib`` and ``unquantized_linear_mib`` (the quantized
+    layers, and what their weights would take in the run dtype), where logged."""
+    with open(log, "rb") as f:
+        f.seek(start)
+        text = f.read().decode(errors="replace")
+    found: dict = {}
+    if m := list(_WEIGHTS_LOG.finditer(text)):
+        found.update(weights_mib=float(m[-1][1]), weights_mapped_mib=float(m[-1][2]))
+    if m := list(_QUANTIZED_LOG.finditer(text)):
+        found.update(quantized_linear_mib=float(m[-1][1]), unquantized_linear_mib=float(m[-1][2]))
+    return found
 
 
 def _prompt_tokens(requests_dir: Path, name: str) -> int:
@@ -334,6 +371,13 @@ def main() -> None:
         args.ferrollm_driver = "peer" if args.device == "cuda" else "cli"
     if args.smoke:
         args.num_iters = 1
+    args.env = dict(kv.split("=", 1) for kv in args.env)
+    os.environ.update(args.env)  # the engines' processes inherit it
+    if args.quant:
+        from quant_bench import main_quant
+
+        return main_quant(args)
+    args.workloads = args.workloads or ",".join(WORKLOADS)
     engines = [e for e in args.engines.split(",") if e]
     workloads = [w for w in args.workloads.split(",") if w]
     for name in engines + workloads:
@@ -343,7 +387,7 @@ def main() -> None:
     paths = model_paths(args)
     requests_dir = write_requests(args, workloads, paths["vocab_size"])
     report: dict = {"model": args.model, "dtype": args.dtype, "seed": args.seed, "threads": args.threads,
-                    "device": args.device, "engines": {}}
+                    "device": args.device, "env": args.env, "engines": {}}
     if "llamacpp" in engines:
         gguf = paths["llamacpp"]
         report["llamacpp_gguf"] = gguf.name  # the dtype of llama.cpp's weights is the GGUF's

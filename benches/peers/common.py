@@ -4,7 +4,8 @@ prints. Standard library only, so it imports in any peer's virtual environment.
 
 A runner supplies an engine: ``make()`` builds it (the constructor whose time start-up counts) and
 ``generate(requests)`` runs a list of requests to completion, ignoring EOS, and returns how many
-tokens each produced.
+tokens each produced. An engine with a ``weight_bytes`` attribute (the bytes its weights hold)
+has it in the JSON line.
 
 Peak RSS (``peak_rss_mib``) is the kernel's high-water mark of resident memory (``VmHWM``, what
 ``ru_maxrss`` reports) of this process plus its live child processes (vLLM's engine core runs in
@@ -175,6 +176,8 @@ def run(engine_name: str, make: Callable[[], Engine], args: argparse.Namespace, 
     result: dict = {"engine": engine_name, **(extra or {}),
                     "startup": {"startup_time": first_token - start, "constructor_time": constructed - start,
                                 "peak_rss_mib": startup_peak}}
+    if getattr(engine, "weight_bytes", None) is not None:
+        result["weight_bytes"] = engine.weight_bytes
     process_peak = startup_peak
     for name in names:
         w = load_workload(args.requests_dir, name)

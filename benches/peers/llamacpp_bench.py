@@ -57,6 +57,7 @@ class LlamaCppEngine:
         if not self.model:
             raise RuntimeError(f"llama.cpp could not load {args.model}")
         self.n_vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(self.model))
+        self.weight_bytes = int(L.llama_model_size(self.model))  # every tensor, as the file stores it
         params = L.llama_context_default_params()
         params.n_seq_max = args.max_seqs
         params.n_ctx = args.max_seqs * args.max_model_len
