@@ -35,6 +35,7 @@ from ferrollm.pooling_params import PoolingParams
 from ferrollm.sampling_params import SamplingParams
 from ferrollm.executor import ExternalLauncherExecutor, MultiprocExecutor
 from ferrollm.executor.launch import check_not_bootstrapping, check_tp_shapes
+from ferrollm.model_executor.sampler import LOGPROBS_MODES
 from ferrollm.worker.model_runner import ModelRunner
 from ferrollm.worker.pooling_runner import PoolingModelRunner
 from ferrollm.worker.worker import CacheOptions, Worker
@@ -72,6 +73,9 @@ class EngineArgs:
     override_generation_config: dict[str, Any] | None = None
     compilation_config: CompilationConfig | dict[str, Any] | int | None = None
     quantization: str | None = None
+    max_logprobs: int = 20
+    logprobs_mode: str = "raw_logprobs"
+    logits_processors: list[Any] | None = None
 
     def validate(self) -> None:
         self.compilation_config = CompilationConfig.from_value(self.compilation_config)
@@ -92,6 +96,10 @@ class EngineArgs:
             raise ConfigError(f"`block_size` must be >= 1. Given: {self.block_size}")
         if self.max_num_seqs < 1:
             raise ConfigError(f"`max_num_seqs` must be >= 1. Given: {self.max_num_seqs}")
+        if not isinstance(self.max_logprobs, int) or self.max_logprobs < -1:
+            raise ConfigError(f"`max_logprobs` must be an int >= -1 (-1: no limit). Given: {self.max_logprobs!r}")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ConfigError(f"`logprobs_mode` must be one of {list(LOGPROBS_MODES)}. Given: {self.logprobs_mode!r}")
 
 
 def _device(name: str) -> torch.device:
@@ -117,6 +125,8 @@ class LLMEngine:
         self.tokenizers = tokenizers
         self.core = core
         self.runner = runner
+        if isinstance(runner, ModelRunner):
+            runner.sampler.logprobs_mode = args.logprobs_mode
         # The model's recommended SamplingParams fields (generation_config.json), for
         # `LLM.get_default_sampling_params`.
         self.default_sampling_fields = default_sampling_fields(
@@ -236,6 +246,8 @@ class LLMEngine:
         """Queues requests atomically: either all are accepted or none is."""
         self.check_alive()
         for p in params:
+            p.verify_logprobs(self.args.max_logprobs, self.vocab_size)
+            p.update_from_tokenizer(self.tokenizers.core)
             p.verify_token_ids(self.vocab_size)
         self.core.add_requests(request_ids, list(prompts), [p.to_core() for p in params],
                                priorities=priorities, add_special_tokens=add_special_tokens)

@@ -71,6 +71,14 @@ class LLM(PoolingMixin):
             generation_config.json when `generate` gets none; "vllm" ignores the file; a folder
             path reads the file there.
         override_generation_config: fields merged over the generation config.
+        max_logprobs: the most `logprobs` / `prompt_logprobs` a request may ask for (-1: no
+            limit); more raises a `ValueError` with vLLM's wording.
+        logprobs_mode: what logprobs hold: "raw_logprobs" (default), "raw_logits",
+            "processed_logprobs" or "processed_logits" (after penalties, masks, temperature and
+            the top-k / top-p / min-p filters).
+        logits_processors: custom batch-level logits processors, vLLM v1's `LogitsProcessor`
+            subclasses or their qualified names ("module:Class" or "module.Class"), built once
+            on rank 0 and switched per request through `SamplingParams.extra_args`.
     """
 
     def __init__(
@@ -101,6 +109,9 @@ class LLM(PoolingMixin):
         override_generation_config: dict[str, Any] | None = None,
         compilation_config: CompilationConfig | dict[str, Any] | int | None = None,
         quantization: str | None = None,
+        max_logprobs: int = 20,
+        logprobs_mode: str = "raw_logprobs",
+        logits_processors: list[Any] | None = None,
     ) -> None:
         args = EngineArgs(
             model=str(model), tokenizer=tokenizer, revision=revision, dtype=dtype, seed=seed,
@@ -113,10 +124,12 @@ class LLM(PoolingMixin):
             runner=runner, convert=convert, pooler_config=pooler_config,
             generation_config=generation_config, override_generation_config=override_generation_config,
             compilation_config=compilation_config, quantization=quantization,
+            max_logprobs=max_logprobs, logprobs_mode=logprobs_mode, logits_processors=logits_processors,
         )
         self.llm_engine: LLMEngine | None = LLMEngine.from_args(args)
         self._request_counter = itertools.count()
-        self._decoder = LogprobDecoder(self.llm_engine.tokenizers.core)
+        tokenizers = self.llm_engine.tokenizers
+        self._decoder = LogprobDecoder(tokenizers.core, lambda: tokenizers.hf)
 
     # -- lifecycle ---------------------------------------------------------------------------
 
