@@ -80,15 +80,20 @@ class ModelRunner:
 
     def update_states(self, step: SchedulerOutput) -> None:
         """Drops finished requests and adds the new ones, in that order (indices are reused)."""
+        lps = self.logits_processors
         for idx in step.finished_req_indices.tolist():
             state = self.requests.pop(idx, None)
             if state is not None:
                 self._index_of.pop(state.request_id, None)
+            if lps is not None:
+                lps.remove(idx)
         for new in step.scheduled_new_reqs:
             params = self._incoming.pop(new.request_id) if self.is_driver else _worker_params(new.sampling)
             state = CachedRequestState.create(new.request_id, params, new.prompt_token_ids, self.device)
             self.requests[new.req_index] = state
             self._index_of[new.request_id] = new.req_index
+            if lps is not None:
+                lps.add(new.req_index, params, state.prompt_token_ids, state.output_token_ids)
 
     def release(self, request_id: str) -> CachedRequestState | None:
         """Hands over and forgets the state of a request whose final output the core just gave
@@ -125,6 +130,8 @@ class ModelRunner:
         if not self.is_driver:
             return sampled
         sampling_states = [states[r] for r in rows]
+        if self.logits_processors is not None:
+            self.logits_processors.begin_step(step.req_indices[rows].tolist())
         out = self.sampler(logits, self._sampling_metadata(step, rows, sampling_states))
         sampled[rows] = out.sampled_token_ids.cpu().numpy()
         self._record_samples(sampling_states, sampled[rows], out)
