@@ -17,7 +17,7 @@ from typing import Any, cast
 from ferrollm._core import SamplingOptions
 from ferrollm.exceptions import InvalidRequestError
 
-__all__ = ["RequestOutputKind", "SamplingParams", "SamplingType"]
+__all__ = ["BeamSearchParams", "RequestOutputKind", "SamplingParams", "SamplingType"]
 
 logger = logging.getLogger(__name__)
 
@@ -432,3 +432,36 @@ class SamplingParams:
 
 def _logprobs_to_core(value: int | None) -> int | None:
     return _ALL_LOGPROBS_CORE if value == -1 else value
+
+
+@dataclass
+class BeamSearchParams:
+    """Beam search parameters for `LLM.beam_search`, as in vLLM.
+
+    Args:
+        beam_width: Beams kept after each step (>= 1).
+        max_tokens: Most tokens to generate (>= 1).
+        ignore_eos: Keep extending beams that produce EOS instead of finishing them.
+        temperature: Sampling temperature of each step's one-token request (>= 0); the beams'
+            scores use the raw logprobs either way.
+        length_penalty: A finished beam's score is its cumulative logprob divided by its length
+            (prompt included, a final EOS not) to this power.
+        include_stop_str_in_output: Accepted for vLLM's signature; beam search has no stop strings.
+        skip_special_tokens: Leave special tokens out of each sequence's `text`.
+    """
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.beam_width) or self.beam_width < 1:
+            raise _invalid("beam_width", ">= 1", self.beam_width)
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            raise _invalid("max_tokens", ">= 1", self.max_tokens)
+        _check_range("temperature", self.temperature, 0.0, math.inf, "a finite number >= 0")
+        _check_range("length_penalty", self.length_penalty, -math.inf, math.inf, "a finite number")

@@ -21,7 +21,8 @@ from ferrollm.entrypoints.pooling import PoolingMixin
 from ferrollm.entrypoints.prompts import normalize_prompts
 from ferrollm.exceptions import InvalidRequestError
 from ferrollm.outputs import RequestOutput
-from ferrollm.sampling_params import SamplingParams
+from ferrollm.beam_search import BeamSearchOutput
+from ferrollm.sampling_params import BeamSearchParams, SamplingParams
 
 ChatMessages = list[dict[str, Any]]
 
@@ -246,6 +247,26 @@ class LLM(PoolingMixin):
         ]
         # The template already holds the special tokens (BOS and the like), as in vLLM.
         return self._generate(prompts, sampling_params, use_tqdm, None, add_special_tokens=False)
+
+    def beam_search(self, prompts: Any, params: BeamSearchParams, lora_request: Any = None,
+                    use_tqdm: bool = False, concurrency_limit: int | None = None) -> list[BeamSearchOutput]:
+        """Generates with beam search, as vLLM's `LLM.beam_search` (entrypoints/beam_search.py).
+
+        Args:
+            prompts: Strings, `{"prompt": ...}` or `{"prompt_token_ids": [...]}` dicts.
+            params: The `BeamSearchParams`; `2 * beam_width` must not exceed `max_logprobs`.
+            lora_request: Must be None (no LoRA support).
+            use_tqdm: Show a progress bar over token steps.
+            concurrency_limit: Most prompts searched at once (None: all).
+
+        Returns:
+            One `BeamSearchOutput` per prompt: its best `beam_width` sequences, best first.
+        """
+        from ferrollm.entrypoints.beam_search import beam_search
+
+        if lora_request is not None:
+            raise NotImplementedError(f"`lora_request` must be None: ferrollm has no LoRA support. Given: {lora_request!r}")
+        return beam_search(self, prompts, params, use_tqdm, concurrency_limit)
 
     def _generate(self, prompts, sampling_params, use_tqdm, priority, add_special_tokens) -> list[RequestOutput]:
         engine = self._engine()
