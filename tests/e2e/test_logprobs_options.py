@@ -72,11 +72,13 @@ def test_raw_modes_return_the_models_values(tiny_llama, mode):
 
 def test_processed_modes_see_temperature_and_top_k(tiny_llama):
     path, hf_model = tiny_llama
-    params = SamplingParams(max_tokens=3, temperature=0.7, top_k=5, seed=3, ignore_eos=True, logprobs=6)
-    results = {}
+    params = SamplingParams(max_tokens=3, temperature=0.7, top_k=5, seed=3, ignore_eos=True, logprobs=6,
+                            prompt_logprobs=0)
+    results, prompt_results = {}, {}
     for mode in ("processed_logits", "processed_logprobs"):
         with LLM(model=str(path), logprobs_mode=mode) as llm:
-            results[mode] = run(llm, params).outputs[0]
+            out = run(llm, params)
+        results[mode], prompt_results[mode] = out.outputs[0], out.prompt_logprobs
     c = results["processed_logits"]
     assert c.token_ids == results["processed_logprobs"].token_ids, "the mode changes what is returned only"
     ref = hf_logits(hf_model, PROMPT + list(c.token_ids))
@@ -92,6 +94,12 @@ def test_processed_modes_see_temperature_and_top_k(tiny_llama):
         # The sixth entry is outside top-k: -inf, numbered 6 by position.
         sixth = [lp for lp in logits_entry.values() if lp.rank == 6]
         assert sixth and sixth[0].logprob == float("-inf")
+    # Nothing processes prompt logits: the processed modes give the raw values there.
+    raw = ref[:len(PROMPT) - 1]
+    for mode, values in (("processed_logits", raw), ("processed_logprobs", raw.log_softmax(-1))):
+        out = prompt_results[mode]
+        for i in range(1, len(PROMPT)):
+            assert out[i][PROMPT[i]].logprob == pytest.approx(values[i - 1, PROMPT[i]].item(), abs=1e-3)
 
 
 def test_tied_values_get_distinct_ranks_by_position(tiny_llama):

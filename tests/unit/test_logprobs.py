@@ -131,3 +131,33 @@ def test_marker_is_read_from_a_metaspace_pre_tokenizer():
     tok.pre_tokenizer = pre_tokenizers.ByteLevel()
     assert _read_marker(Hf()) is None
     assert _read_marker(None) is None
+
+
+class _FakeTokenizer:
+    """Decodes from a table; anything else is a lone replacement character."""
+
+    def __init__(self, table: dict[tuple[int, ...], str]):
+        self.table = table
+
+    def decode(self, ids, skip_special_tokens=True):
+        return self.table.get(tuple(ids), "\ufffd")
+
+    def id_to_token(self, token_id):
+        return f"t{token_id}"
+
+
+def test_text_of_a_partial_context_token_moves_to_the_completing_one():
+    # Token 44 is a space plus the first bytes of a quote; 48 ends the quote.
+    tok = _FakeTokenizer({(44,): " \ufffd", (1385,): " term", (1385, 44): " term \ufffd",
+                          (44, 48): " \u201c", (1385, 44, 48): " term \u201c"})
+    decoder = LogprobTextDecoder(tok)  # type: ignore[arg-type]
+    assert decoder.texts([44], [1385]) == [""]
+    assert decoder.texts([48], [1385, 44]) == [" \u201c"]
+
+
+def test_context_grows_until_the_character_completes_and_gives_up_after_four():
+    tok = _FakeTokenizer({(80, 81, 82): "\u201c", (5,): "a"})
+    decoder = LogprobTextDecoder(tok)  # type: ignore[arg-type]
+    assert decoder.texts([82, 5], [80, 81]) == ["\u201c", "a"]
+    assert decoder.texts([82], [80, 1, 2, 3, 4, 81]) == [""], "only the last four tokens are context"
+    assert decoder.texts([82], []) == [""]
