@@ -70,11 +70,12 @@ class Sampler:
         Returns:
             The `SamplerOutput`.
         """
-        # A private float32 copy where a stage below works in place on it. Plain sampling at
-        # temperature 1 changes nothing in place: the copy would be a pass over R x V floats.
         num_logprobs = meta.max_num_logprobs
         mode = self.logprobs_mode if num_logprobs is not None else None
         processed = mode is not None and mode.startswith("processed")
+        # A private float32 copy where a stage below works in place on it (or the processed
+        # values are returned). Plain sampling at temperature 1 changes nothing in place: the
+        # copy would be a pass over R x V floats.
         logits = logits.to(torch.float32, copy=meta.edits_logits or processed)
         # Raw modes: what the model said, before any processing (vLLM v1's default).
         values = _as_mode(logits, mode) if mode is not None and not processed else None
