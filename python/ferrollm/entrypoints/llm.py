@@ -21,7 +21,8 @@ from ferrollm.entrypoints.pooling import PoolingMixin
 from ferrollm.entrypoints.prompts import normalize_prompts
 from ferrollm.exceptions import InvalidRequestError
 from ferrollm.outputs import RequestOutput
-from ferrollm.sampling_params import SamplingParams
+from ferrollm.beam_search import BeamSearchOutput
+from ferrollm.sampling_params import BeamSearchParams, SamplingParams
 
 ChatMessages = list[dict[str, Any]]
 
@@ -71,6 +72,14 @@ class LLM(PoolingMixin):
             generation_config.json when `generate` gets none; "vllm" ignores the file; a folder
             path reads the file there.
         override_generation_config: fields merged over the generation config.
+        max_logprobs: the most `logprobs` / `prompt_logprobs` a request may ask for (-1: no
+            limit); more raises a `ValueError` with vLLM's wording.
+        logprobs_mode: what logprobs hold: "raw_logprobs" (default), "raw_logits",
+            "processed_logprobs" or "processed_logits" (after penalties, masks, temperature and
+            the top-k / top-p / min-p filters).
+        logits_processors: custom batch-level logits processors, vLLM v1's `LogitsProcessor`
+            subclasses or their qualified names ("module:Class" or "module.Class"), built once
+            on rank 0 and switched per request through `SamplingParams.extra_args`.
     """
 
     def __init__(
@@ -101,6 +110,9 @@ class LLM(PoolingMixin):
         override_generation_config: dict[str, Any] | None = None,
         compilation_config: CompilationConfig | dict[str, Any] | int | None = None,
         quantization: str | None = None,
+        max_logprobs: int = 20,
+        logprobs_mode: str = "raw_logprobs",
+        logits_processors: list[Any] | None = None,
     ) -> None:
         args = EngineArgs(
             model=str(model), tokenizer=tokenizer, revision=revision, dtype=dtype, seed=seed,
@@ -113,10 +125,12 @@ class LLM(PoolingMixin):
             runner=runner, convert=convert, pooler_config=pooler_config,
             generation_config=generation_config, override_generation_config=override_generation_config,
             compilation_config=compilation_config, quantization=quantization,
+            max_logprobs=max_logprobs, logprobs_mode=logprobs_mode, logits_processors=logits_processors,
         )
         self.llm_engine: LLMEngine | None = LLMEngine.from_args(args)
         self._request_counter = itertools.count()
-        self._decoder = LogprobDecoder(self.llm_engine.tokenizers.core)
+        tokenizers = self.llm_engine.tokenizers
+        self._decoder = LogprobDecoder(tokenizers.core, lambda: tokenizers.hf)
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -233,6 +247,26 @@ class LLM(PoolingMixin):
         ]
         # The template already holds the special tokens (BOS and the like), as in vLLM.
         return self._generate(prompts, sampling_params, use_tqdm, None, add_special_tokens=False)
+
+    def beam_search(self, prompts: Any, params: BeamSearchParams, lora_request: Any = None,
+                    use_tqdm: bool = False, concurrency_limit: int | None = None) -> list[BeamSearchOutput]:
+        """Generates with beam search, as vLLM's `LLM.beam_search` (entrypoints/beam_search.py).
+
+        Args:
+            prompts: Strings, `{"prompt": ...}` or `{"prompt_token_ids": [...]}` dicts.
+            params: The `BeamSearchParams`; `2 * beam_width` must not exceed `max_logprobs`.
+            lora_request: Must be None (no LoRA support).
+            use_tqdm: Show a progress bar over token steps.
+            concurrency_limit: Most prompts searched at once (None: all).
+
+        Returns:
+            One `BeamSearchOutput` per prompt: its best `beam_width` sequences, best first.
+        """
+        from ferrollm.entrypoints.beam_search import beam_search
+
+        if lora_request is not None:
+            raise NotImplementedError(f"`lora_request` must be None: ferrollm has no LoRA support. Given: {lora_request!r}")
+        return beam_search(self, prompts, params, use_tqdm, concurrency_limit)
 
     def _generate(self, prompts, sampling_params, use_tqdm, priority, add_special_tokens) -> list[RequestOutput]:
         engine = self._engine()
