@@ -14,6 +14,7 @@ __all__ = [
     "PromptTooLongError",
     "DuplicateRequestError",
     "ConfigError",
+    "UnsupportedOptionError",
     "KVCacheTooSmallError",
     "UnsupportedModelError",
     "CheckpointError",
@@ -46,6 +47,12 @@ class DuplicateRequestError(InvalidRequestError):
 
 class ConfigError(FerroLLMError, ValueError):
     """An engine option is invalid; the message names it, the bound and the value."""
+
+
+class UnsupportedOptionError(ConfigError, NotImplementedError):
+    """An engine option of vLLM's that ferrollm does not implement was set to a value other than
+    vLLM's default; the message names the option, the value and why. Both a ValueError and a
+    NotImplementedError, so either ``except`` catches it."""
 
 
 class KVCacheTooSmallError(ConfigError):

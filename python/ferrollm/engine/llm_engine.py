@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -23,6 +22,7 @@ from ferrollm.config.compilation import CompilationConfig
 from ferrollm.config.generation_config import default_sampling_fields
 from ferrollm.config.model_config import ModelConfig, build_model_config
 from ferrollm.config.model_source import resolve_model_source
+from ferrollm.engine.arg_utils import EngineArgs
 from ferrollm.engine.startup_report import (
     StartupClock,
     activation_workspace_bytes,
@@ -38,60 +38,6 @@ from ferrollm.executor.launch import check_not_bootstrapping, check_tp_shapes
 from ferrollm.worker.model_runner import ModelRunner
 from ferrollm.worker.pooling_runner import PoolingModelRunner
 from ferrollm.worker.worker import CacheOptions, Worker
-
-
-# The step channel serves up to 112 readers; no machine has that many accelerators.
-MAX_TP_SIZE = 64
-
-
-@dataclass
-class EngineArgs:
-    """The engine options `LLM` accepts, with vLLM's names and defaults."""
-
-    model: str
-    tokenizer: str | None = None
-    revision: str | None = None
-    dtype: str | torch.dtype = "auto"
-    seed: int | None = None
-    max_model_len: int | None = None
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None
-    block_size: int = 16
-    enable_prefix_caching: bool = True
-    hf_overrides: Any = None
-    device: str = "auto"
-    gpu_memory_utilization: float = 0.9
-    enforce_eager: bool = False
-    tensor_parallel_size: int = 1
-    distributed_executor_backend: str | None = None
-    load_format: str = "auto"
-    runner: str = "auto"
-    convert: str = "auto"
-    pooler_config: Any = None
-    generation_config: str = "auto"
-    override_generation_config: dict[str, Any] | None = None
-    compilation_config: CompilationConfig | dict[str, Any] | int | None = None
-    quantization: str | None = None
-
-    def validate(self) -> None:
-        self.compilation_config = CompilationConfig.from_value(self.compilation_config)
-        if not isinstance(self.tensor_parallel_size, int) or not 1 <= self.tensor_parallel_size <= MAX_TP_SIZE:
-            raise ConfigError(f"`tensor_parallel_size` must be an int >= 1 and <= {MAX_TP_SIZE}. Given: {self.tensor_parallel_size!r}")
-        if self.distributed_executor_backend not in (None, "mp", "external_launcher"):
-            raise ConfigError(
-                "`distributed_executor_backend` must be 'mp', 'external_launcher' or None (ferrollm spawns "
-                "tensor-parallel ranks on this machine, or joins ranks torchrun started; Ray is not "
-                f"supported). Given: {self.distributed_executor_backend!r}")
-        from ferrollm.model_executor.loader import LOAD_FORMATS
-
-        if self.load_format not in LOAD_FORMATS:
-            raise ConfigError(f"`load_format` must be one of {list(LOAD_FORMATS)}. Given: {self.load_format!r}")
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ConfigError(f"`gpu_memory_utilization` must be in (0, 1]. Given: {self.gpu_memory_utilization}")
-        if self.block_size < 1:
-            raise ConfigError(f"`block_size` must be >= 1. Given: {self.block_size}")
-        if self.max_num_seqs < 1:
-            raise ConfigError(f"`max_num_seqs` must be >= 1. Given: {self.max_num_seqs}")
 
 
 def _device(name: str) -> torch.device:
