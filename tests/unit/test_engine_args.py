@@ -75,3 +75,16 @@ def test_a_working_option_out_of_range_is_a_config_error():
 def test_empty_containers_and_none_stand_for_default_configs():
     EngineArgs(model="m", structured_outputs_config={}, offload_params=None, limit_mm_per_prompt=None,
                ignore_patterns=["original/**/*"], optimization_level=2)
+
+
+def test_readme_compatibility_table_is_what_the_script_prints():
+    import importlib.util
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    spec = importlib.util.spec_from_file_location("compat_table", root / "tools" / "compat_table.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    readme = (root / "README.md").read_text()
+    block = readme.split(tool.START)[1].split(tool.END)[0]
+    assert block == tool.compat_table(), "run: python tools/compat_table.py README.md"
