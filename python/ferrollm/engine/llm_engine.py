@@ -29,8 +29,10 @@ from ferrollm.engine.startup_report import (
     log_memory,
     model_weight_bytes,
 )
-from ferrollm.engine.tokenizer_loader import Tokenizers, load_tokenizers
-from ferrollm.exceptions import ConfigError, EngineError
+from ferrollm.engine.stats import StatsTracker
+from ferrollm.model_executor.dummy_weights import check_dummy_source, dummy_weights
+from ferrollm.engine.tokenizer_loader import SKIPPED, Tokenizers, load_tokenizers
+from ferrollm.exceptions import ConfigError, EngineError, InvalidRequestError
 from ferrollm.pooling_params import PoolingParams
 from ferrollm.sampling_params import SamplingParams
 from ferrollm.executor import ExternalLauncherExecutor, MultiprocExecutor
@@ -63,6 +65,8 @@ class LLMEngine:
         self.tokenizers = tokenizers
         self.core = core
         self.runner = runner
+        # Per-request timing and the throughput log, unless disabled (`LLM` disables them).
+        self.stats = None if args.disable_log_stats else StatsTracker()
         # The model's recommended SamplingParams fields (generation_config.json), for
         # `LLM.get_default_sampling_params`.
         self.default_sampling_fields = default_sampling_fields(
@@ -85,13 +89,16 @@ class LLMEngine:
         with clock.phase("config"):
             source = resolve_model_source(args.model, args.revision)
             hf_config, weights = _read_checkpoint(source)
+            if args.load_format == "dummy":
+                check_dummy_source(hf_config, source.is_gguf)
             model_config = build_model_config(
                 source, hf_config, hf_overrides=args.hf_overrides, dtype=args.dtype,
                 max_model_len=args.max_model_len, device=device, runner=args.runner, convert=args.convert,
                 pooler_config=args.pooler_config, quantization=args.quantization,
             )
         with clock.phase("tokenizer"):
-            tokenizers = load_tokenizers(source, args.tokenizer, args.revision)
+            tokenizers = (Tokenizers(None) if args.skip_tokenizer_init
+                          else load_tokenizers(source, args.tokenizer, args.revision, args.tokenizer_mode))
         if model_config.is_pooling:
             if args.tensor_parallel_size > 1:
                 raise ConfigError("`tensor_parallel_size` must be 1 for a pooling model (runner='pooling'). "
@@ -99,7 +106,8 @@ class LLMEngine:
             from ferrollm.model_executor.loader import get_model
 
             with clock.phase("weights"):
-                model = get_model(model_config.hf_config, model_config.dtype, weights(), device=device,
+                stream = dummy_weights(model_config.hf_config) if args.load_format == "dummy" else weights()
+                model = get_model(model_config.hf_config, model_config.dtype, stream, device=device,
                                   quant_config=model_config.quant_config)
             core, runner = _build_pooling_core(args, model_config, model, tokenizers, device)
             clock.log()
@@ -143,7 +151,7 @@ class LLMEngine:
             load_seconds = time.perf_counter() - start
             with clock.phase("KV cache"):
                 core = _build_core(args, mc, driver.sliding_window(), num_blocks, tokenizers)
-                run("init_kv_cache", num_blocks, tokenizers.core.eos_token_ids)
+                run("init_kv_cache", num_blocks, tokenizers.eos_token_ids)
         except BaseException:
             if executor is not None:
                 executor.shutdown(graceful=False)
@@ -183,10 +191,27 @@ class LLMEngine:
         self.check_alive()
         for p in params:
             p.verify_token_ids(self.vocab_size)
+        prompts = self._encoded(prompts, add_special_tokens)
         self.core.add_requests(request_ids, list(prompts), [p.to_core() for p in params],
                                priorities=priorities, add_special_tokens=add_special_tokens)
+        if self.stats is not None:
+            self.stats.on_add(request_ids)
         for rid, p in zip(request_ids, params):
             self.generation_runner.add_request_params(rid, p)
+
+    def _encoded(self, prompts: Sequence[str | list[int]], add_special_tokens: bool) -> list[str | list[int]]:
+        """Text prompts stay text for the core to encode in parallel, unless the tokenizer mode
+        encodes in Python ("slow") or there is no tokenizer (`skip_tokenizer_init`)."""
+        texts = [i for i, p in enumerate(prompts) if isinstance(p, str)]
+        if not texts or not (self.tokenizers.encode_in_python or self.tokenizers.core is None):
+            return list(prompts)
+        if self.tokenizers.core is None:
+            raise InvalidRequestError(f"{SKIPPED}: prompt {texts[0]} is text; pass "
+                                      "{'prompt_token_ids': [...]} (a TokensPrompt) instead")
+        out = list(prompts)
+        for i, ids in zip(texts, self.tokenizers.encode_batch([prompts[i] for i in texts], add_special_tokens)):
+            out[i] = ids
+        return out
 
     def add_pooling_requests(self, request_ids: list[str], prompts: list[list[int]],
                              params: list[PoolingParams]) -> None:
@@ -216,18 +241,20 @@ class LLMEngine:
             except BaseException:
                 self.abort_all()
                 raise
-            return self.core.update(sampled)
-        executor = self.executor
-        executor.check_alive()
-        try:
-            # Publishes the step to the other ranks before rank 0 runs it.
-            step = self.core.schedule()
-            sampled = self.runner.execute_model(step)
-        except BaseException as e:
-            # The ranks are out of step (or dead): no further step can be broadcast.
-            self.core.set_step_broadcaster(None)
-            self.abort_all()
-            executor._raise_failure(e)
+        else:
+            executor = self.executor
+            executor.check_alive()
+            try:
+                # Publishes the step to the other ranks before rank 0 runs it.
+                step = self.core.schedule()
+                sampled = self.runner.execute_model(step)
+            except BaseException as e:
+                # The ranks are out of step (or dead): no further step can be broadcast.
+                self.core.set_step_broadcaster(None)
+                self.abort_all()
+                executor._raise_failure(e)
+        if self.stats is not None:
+            self.stats.on_step(step, self.core)
         return self.core.update(sampled)
 
     def check_alive(self) -> None:
@@ -252,6 +279,8 @@ class LLMEngine:
         self.runner.update_states(step)
         for out in self.core.update(np.zeros(0, dtype=np.int64)):
             self.runner.release(out.request_id)
+        if self.stats is not None:
+            self.stats.requests.clear()
 
     def close(self) -> None:
         if self.executor is not None:

@@ -238,6 +238,8 @@ class LLM(PoolingMixin):
             for out in engine.step():
                 k, parent = _parent_of(out.request_id, by_id)
                 state = engine.generation_runner.release(out.request_id)
+                if engine.stats is not None and (stats := engine.stats.pop(out.request_id)) is not None:
+                    parent.metrics.append(stats)
                 parent.completions[k] = completion(k, out, state, self._decoder)
                 if parent.prompt_token_ids is None:
                     parent.prompt_token_ids = list(out.prompt_token_ids)

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ferrollm._core import EngineCoreOutput, Tokenizer
+from ferrollm.engine.stats import RequestStateStats
 from ferrollm.outputs import CompletionOutput, Logprob, RequestOutput
 from ferrollm.worker.request_state import CachedRequestState
 
@@ -23,6 +24,8 @@ class PendingRequest:
     prompt_token_ids: list[int] | None = None
     prompt_logprobs: list | None = None
     num_cached_tokens: int = 0
+    # Each sequence's statistics, when the engine keeps them (disable_log_stats=False).
+    metrics: list[RequestStateStats] = field(default_factory=list)
 
     @property
     def done(self) -> bool:
@@ -34,17 +37,20 @@ class PendingRequest:
             request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids or [],
             prompt_logprobs=self.prompt_logprobs, outputs=outputs, finished=True,
             num_cached_tokens=self.num_cached_tokens,
+            metrics=RequestStateStats.merge(self.metrics) if self.metrics else None,
         )
 
 
 class LogprobDecoder:
     """Builds vLLM's logprob dicts, decoding each token once."""
 
-    def __init__(self, tokenizer: Tokenizer):
+    def __init__(self, tokenizer: Tokenizer | None):
         self.tokenizer = tokenizer
         self._cache: dict[int, str] = {}
 
-    def text(self, token_id: int) -> str:
+    def text(self, token_id: int) -> str | None:
+        if self.tokenizer is None:  # skip_tokenizer_init: no text, as in vLLM
+            return None
         if token_id not in self._cache:
             self._cache[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
         return self._cache[token_id]

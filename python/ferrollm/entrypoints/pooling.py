@@ -229,7 +229,7 @@ def _tokenize(engine: LLMEngine, items: list[tuple[str | None, str | list[int]]]
 
 def _encode_texts(engine: LLMEngine, texts: list[str], truncate: int | None) -> list[list[int]]:
     if truncate is None:
-        return engine.tokenizers.core.encode_batch(texts)
+        return engine.tokenizers.encode_batch(texts)
     hf = engine.tokenizers.hf
     side = hf.truncation_side
     hf.truncation_side = "left"

@@ -23,7 +23,7 @@ from ferrollm.model_executor.weight_utils import LazyTensor, file_mapped
 
 __all__ = ["build_model", "get_model", "gguf_to_hf_name", "iterate_safetensors", "load_gguf", "load_model"]
 
-LOAD_FORMATS = ("auto", "safetensors", "gguf", "sharded_state")
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "sharded_state", "dummy")
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 
@@ -143,8 +143,9 @@ def load_model(model_config, load_format: str, device: torch.device, rank: int =
 
     Args:
         model_config: a `ModelConfig`.
-        load_format: ``"auto"`` (the checkpoint's own format), ``"safetensors"``, ``"gguf"`` or
-            ``"sharded_state"`` (per-rank files written by ``LLM.save_sharded_state``).
+        load_format: ``"auto"`` (the checkpoint's own format), ``"safetensors"``, ``"gguf"``,
+            ``"sharded_state"`` (per-rank files written by ``LLM.save_sharded_state``) or
+            ``"dummy"`` (random weights, `dummy_weights`).
         device: where to build the model.
         rank, world_size: this tensor-parallel rank and the TP size.
 
@@ -166,7 +167,11 @@ def load_model(model_config, load_format: str, device: torch.device, rank: int =
             begin_loading(model, dtype, device, SavedStateConfig(quant_config))
         load_rank_state(model, source.folder, rank, world_size)
         return finish_loading(model, dtype, device)
-    if source.gguf_file is not None:
+    if load_format == "dummy":
+        from ferrollm.model_executor.dummy_weights import dummy_weights
+
+        weights = dummy_weights(model_config.hf_config)
+    elif source.gguf_file is not None:
         _, weights = load_gguf(source.gguf_file, quant_config, device)
     else:
         # Under TP each rank reads only the slices its layers keep: on the CPU they are views of
