@@ -113,3 +113,29 @@ def test_load_format_dummy_refuses_a_quantized_checkpoint(tiny_llama, tmp_path):
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="load_format='dummy'.*quantized checkpoint"):
         LLM(str(folder), load_format="dummy")
+
+
+def test_download_dir_is_the_hub_cache_a_hub_id_is_found_in(tiny_llama, tmp_path, monkeypatch):
+    import huggingface_hub.constants as c
+
+    path, _ = tiny_llama
+    repo = tmp_path / "downloads" / "models--tiny-org--dl-llama"  # huggingface_hub's cache layout
+    shutil.copytree(path, repo / "snapshots" / "abc123")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("abc123")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(c, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(c, "HF_HUB_CACHE", str(tmp_path / "empty-default-cache"))
+    with pytest.raises(ValueError, match="only the local cache was searched"):
+        LLM("tiny-org/dl-llama")
+    with LLM("tiny-org/dl-llama", download_dir=str(tmp_path / "downloads")) as llm:
+        assert len(llm.generate("Hello", greedy(2), use_tqdm=False)[0].outputs[0].token_ids) == 2
+
+
+@pytest.mark.parametrize("show", [True, False])
+def test_use_tqdm_on_load_shows_a_bar_over_the_weight_files(tiny_llama, capfd, show):
+    path, _ = tiny_llama
+    capfd.readouterr()
+    with LLM(str(path), use_tqdm_on_load=show):
+        pass
+    assert ("Loading safetensors checkpoint shards" in capfd.readouterr().err) == show

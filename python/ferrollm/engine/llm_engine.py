@@ -87,8 +87,8 @@ class LLMEngine:
             # for it (~0.5 s here).
             import transformers.configuration_utils  # noqa: F401
         with clock.phase("config"):
-            source = resolve_model_source(args.model, args.revision)
-            hf_config, weights = _read_checkpoint(source)
+            source = resolve_model_source(args.model, args.revision, args.download_dir)
+            hf_config, weights = _read_checkpoint(source, args.use_tqdm_on_load)
             if args.load_format == "dummy":
                 check_dummy_source(hf_config, source.is_gguf)
             model_config = build_model_config(
@@ -129,7 +129,8 @@ class LLMEngine:
                                        enforce_eager=args.enforce_eager or device.type != "cuda")
         options = CacheOptions(block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                                max_num_batched_tokens=batched, gpu_memory_utilization=args.gpu_memory_utilization,
-                               load_format=args.load_format, compilation_config=compilation)
+                               load_format=args.load_format, use_tqdm_on_load=args.use_tqdm_on_load,
+                               compilation_config=compilation)
         executor: MultiprocExecutor | ExternalLauncherExecutor | None = None
         if args.tensor_parallel_size > 1:
             check_tp_shapes(mc.hf_config, args.tensor_parallel_size)
@@ -293,7 +294,7 @@ class LLMEngine:
         self.tokenizers.close()
 
 
-def _read_checkpoint(source):
+def _read_checkpoint(source, progress: bool = False):
     """The HF config and a factory for the weight iterator."""
     from ferrollm.model_executor import loader
 
@@ -308,7 +309,7 @@ def _read_checkpoint(source):
         config = AutoConfig.from_pretrained(str(source.folder))
     except Exception as e:  # an unreadable config.json or an unknown model_type
         raise ConfigError(f"could not read {source.folder / 'config.json'}: {e}") from e
-    return config, lambda: loader.iterate_safetensors(source.folder)
+    return config, lambda: loader.iterate_safetensors(source.folder, progress=progress)
 
 
 def _batched_tokens(args: EngineArgs, max_model_len: int) -> int:

@@ -28,7 +28,8 @@ LOAD_FORMATS = ("auto", "safetensors", "gguf", "sharded_state", "dummy")
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 
 
-def iterate_safetensors(folder: str | Path, lazy: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+def iterate_safetensors(folder: str | Path, lazy: bool = False,
+                        progress: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """Yields every tensor of a safetensors checkpoint folder.
 
     Args:
@@ -36,6 +37,7 @@ def iterate_safetensors(folder: str | Path, lazy: bool = False) -> Iterator[tupl
             (any other ``*.safetensors`` files are read when there is neither).
         lazy: yield :class:`LazyTensor` windows instead, read when a weight loader copies its
             slice (a tensor-parallel rank then reads only what it keeps).
+        progress: show a progress bar over the files (vLLM's `use_tqdm_on_load`).
 
     Yields:
         ``(name, tensor)`` with the checkpoint's names and dtypes. The tensors are views of the
@@ -47,8 +49,11 @@ def iterate_safetensors(folder: str | Path, lazy: bool = False) -> Iterator[tupl
     """
     from safetensors import safe_open
 
+    from tqdm.auto import tqdm
+
     folder = Path(folder)
-    for path in _safetensors_files(folder):
+    files = _safetensors_files(folder)
+    for path in tqdm(files, desc="Loading safetensors checkpoint shards", disable=not progress):
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():
                 if lazy:
@@ -138,7 +143,7 @@ def finish_loading(model: nn.Module, dtype: torch.dtype, device: torch.device | 
 
 
 def load_model(model_config, load_format: str, device: torch.device, rank: int = 0,
-               world_size: int = 1) -> nn.Module:
+               world_size: int = 1, progress: bool = False) -> nn.Module:
     """Builds this rank's shard of the model and loads its weights.
 
     Args:
@@ -148,6 +153,7 @@ def load_model(model_config, load_format: str, device: torch.device, rank: int =
             ``"dummy"`` (random weights, `dummy_weights`).
         device: where to build the model.
         rank, world_size: this tensor-parallel rank and the TP size.
+        progress: show a progress bar over the safetensors files.
 
     Raises:
         CheckpointError: for missing, unexpected or mis-shaped tensors, or sharded files written
@@ -176,5 +182,5 @@ def load_model(model_config, load_format: str, device: torch.device, rank: int =
     else:
         # Under TP each rank reads only the slices its layers keep: on the CPU they are views of
         # the mapping (whose pages the ranks share), elsewhere windows read when copied.
-        weights = iterate_safetensors(source.folder, lazy=world_size > 1 and device.type != "cpu")
+        weights = iterate_safetensors(source.folder, lazy=world_size > 1 and device.type != "cpu", progress=progress)
     return get_model(model_config.hf_config, dtype, weights, device=device, quant_config=quant_config)
