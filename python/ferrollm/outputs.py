@@ -6,7 +6,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Dict, Generic, List, Optional, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+from ferrollm.logprobs import Logprob, PromptLogprobs, SampleLogprobs
 
 if TYPE_CHECKING:  # torch stays out of `import ferrollm`
     import torch
@@ -26,25 +28,6 @@ __all__ = [
 ]
 
 
-@dataclass
-class Logprob:
-    """One token's log probability at one position.
-
-    Args:
-        logprob: Log probability of the token (from the model's raw logits).
-        rank: The token's rank in the vocabulary at this position (1 = most likely).
-        decoded_token: The token's text, when detokenization is on.
-    """
-
-    logprob: float
-    rank: int | None = None
-    decoded_token: str | None = None
-
-
-# One dict per generated token: token id -> its Logprob (the sampled token and the top ones).
-SampleLogprobs = List[Dict[int, Logprob]]
-# One entry per prompt token; the first is None since nothing predicts it.
-PromptLogprobs = List[Optional[Dict[int, Logprob]]]
 
 
 @dataclass

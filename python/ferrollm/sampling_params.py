@@ -17,7 +17,7 @@ from typing import Any, cast
 from ferrollm._core import SamplingOptions
 from ferrollm.exceptions import InvalidRequestError
 
-__all__ = ["RequestOutputKind", "SamplingParams", "SamplingType"]
+__all__ = ["BeamSearchParams", "RequestOutputKind", "SamplingParams", "SamplingType"]
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +64,12 @@ def _check_range(name: str, value: Any, lo: float, hi: float, bound: str) -> Non
     """Raises unless `value` is a finite number in [lo, hi]."""
     if not _is_number(value) or not math.isfinite(value) or not lo <= value <= hi:
         raise _invalid(name, bound, value)
+
+
+def _check_finite(name: str, value: Any, bound: str) -> None:
+    """Raises for NaN and infinities with vLLM's wording ("temperature must be a finite number")."""
+    if _is_number(value) and not math.isfinite(value):
+        raise _invalid(name, f"{bound} ({name} must be a finite number)", value)
 
 
 def _check_token_ids(name: str, ids: Any) -> list[int]:
@@ -228,9 +234,11 @@ class SamplingParams:
         _check_range("presence_penalty", self.presence_penalty, -2.0, 2.0, "in [-2, 2]")
         _check_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0, "in [-2, 2]")
         # vLLM >= 0.8.4 has no upper bound; the core checks the same rule.
+        _check_finite("repetition_penalty", self.repetition_penalty, "a finite number > 0")
         _check_range("repetition_penalty", self.repetition_penalty, 0.0, math.inf, "a finite number > 0")
         if self.repetition_penalty == 0.0:
             raise _invalid("repetition_penalty", "a finite number > 0", self.repetition_penalty)
+        _check_finite("temperature", self.temperature, "a finite number >= 0")
         _check_range("temperature", self.temperature, 0.0, math.inf, "a finite number >= 0")
         _check_range("top_p", self.top_p, 0.0, 1.0, "in (0, 1]")
         if self.top_p == 0.0:
@@ -242,10 +250,12 @@ class SamplingParams:
     def _verify_lengths(self) -> None:
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
             raise _invalid("max_tokens", ">= 1 or None", self.max_tokens)
+        # vLLM's wording in parentheses: scripts match on it.
         if not _is_int(self.min_tokens) or self.min_tokens < 0:
-            raise _invalid("min_tokens", ">= 0", self.min_tokens)
+            raise _invalid("min_tokens", ">= 0 (min_tokens must be greater than or equal to 0)", self.min_tokens)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise _invalid("min_tokens", f"<= max_tokens ({self.max_tokens})", self.min_tokens)
+            raise _invalid("min_tokens", f"<= max_tokens ({self.max_tokens}) (min_tokens must be less than or "
+                           "equal to max_tokens)", self.min_tokens)
 
     def _verify_logprobs(self) -> None:
         for name in ("logprobs", "prompt_logprobs"):
@@ -354,3 +364,42 @@ class SamplingParams:
 
 def _logprobs_to_core(value: int | None) -> int | None:
     return _ALL_LOGPROBS_CORE if value == -1 else value
+
+
+@dataclass
+class BeamSearchParams:
+    """vLLM's beam search parameters, for `LLM.beam_search` (issue #27 part B builds the search;
+    this is the class scripts import).
+
+    Args:
+        beam_width: beams kept at each step (>= 1).
+        max_tokens: tokens generated per beam (>= 1).
+        ignore_eos: keep extending beams past EOS.
+        temperature: sampling temperature of the candidates (0: greedy scores).
+        length_penalty: the exponent of the length normalizing the beams' scores.
+        include_stop_str_in_output: keep the stop string in the text.
+        structured_outputs: vLLM's structured outputs (must be None here).
+        skip_special_tokens: leave special tokens out of the text.
+        watermarking: vLLM's watermarking switch (must be None here).
+    """
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+    structured_outputs: Any = None
+    skip_special_tokens: bool = True
+    watermarking: bool | None = None
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.beam_width) or self.beam_width < 1:
+            raise _invalid("beam_width", ">= 1", self.beam_width)
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            raise _invalid("max_tokens", ">= 1", self.max_tokens)
+        _check_range("temperature", self.temperature, 0.0, math.inf, "a finite number >= 0")
+        _check_range("length_penalty", self.length_penalty, -math.inf, math.inf, "a finite number")
+        for name in ("structured_outputs", "watermarking"):
+            if getattr(self, name) is not None:
+                raise _invalid(name, "None (not supported by ferrollm)", getattr(self, name))

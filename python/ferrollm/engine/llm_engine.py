@@ -22,6 +22,7 @@ from ferrollm.config.compilation import CompilationConfig
 from ferrollm.config.generation_config import default_sampling_fields
 from ferrollm.config.model_config import ModelConfig, build_model_config
 from ferrollm.config.model_source import resolve_model_source
+from ferrollm.config.vllm import VllmConfig, build_vllm_config
 from ferrollm.engine.arg_utils import EngineArgs
 from ferrollm.engine.startup_report import (
     StartupClock,
@@ -65,6 +66,9 @@ class LLMEngine:
         self.tokenizers = tokenizers
         self.core = core
         self.runner = runner
+        # KV blocks allocated; `_from_workers` sets the exact count (a pooling engine's core
+        # holds them all free at start).
+        self.num_gpu_blocks = int(core.stats()["num_free_blocks"])
         # Per-request timing and the throughput log, unless disabled (`LLM` disables them).
         self.stats = None if args.disable_log_stats else StatsTracker()
         # The model's recommended SamplingParams fields (generation_config.json), for
@@ -162,10 +166,22 @@ class LLMEngine:
         assert driver.runner is not None
         engine = cls(args, mc, tokenizers, core, driver.runner, executor)
         engine.model_load_seconds = load_seconds
+        engine.num_gpu_blocks = num_blocks
         # Rank 0's GPU start-up measurements (None on the CPU), for logs and tests.
         engine.memory_profile = driver.memory_profile
         _log_memory(args, mc, driver.runner, num_blocks)
         return engine
+
+    @property
+    def vllm_config(self) -> VllmConfig:
+        """The resolved configuration under vLLM's names (a read-out, see config/vllm.py)."""
+        return build_vllm_config(self.args, self.model_config, self.num_gpu_blocks,
+                                 _batched_tokens(self.args, self.model_config.max_model_len))
+
+    def get_num_unfinished_requests(self) -> int:
+        """Requests (each of a prompt's `n` sequences counts) waiting or running."""
+        s = self.core.stats()
+        return int(s["num_running"]) + int(s["num_waiting"])
 
     @property
     def generation_runner(self) -> ModelRunner:

@@ -88,6 +88,8 @@ class LLM(PoolingMixin):
         args = EngineArgs(model=str(model), **kwargs)
         self.chat_template = _load_chat_template(chat_template)
         self.llm_engine: LLMEngine | None = LLMEngine.from_args(args)
+        # vLLM's `llm.model_config` (hf_config, max_model_len, get_vocab_size(), ...).
+        self.model_config = self.llm_engine.model_config
         self._request_counter = itertools.count()
         self._decoder = LogprobDecoder(self.llm_engine.tokenizers.core)
 
