@@ -88,3 +88,12 @@ def test_readme_compatibility_table_is_what_the_script_prints():
     readme = (root / "README.md").read_text()
     block = readme.split(tool.START)[1].split(tool.END)[0]
     assert block == tool.compat_table(), "run: python tools/compat_table.py README.md"
+
+
+def test_capture_size_shorthands_fold_into_compilation_config():
+    args = EngineArgs(model="m", cudagraph_capture_sizes=[1, 2, 4], max_cudagraph_capture_size=4)
+    args.validate()
+    assert args.compilation_config.cudagraph_capture_sizes == [1, 2, 4]
+    assert args.compilation_config.max_cudagraph_capture_size == 4
+    with pytest.raises(ConfigError, match="mutually exclusive"):
+        EngineArgs(model="m", cudagraph_capture_sizes=[1], compilation_config={"cudagraph_capture_sizes": [2]}).validate()

@@ -72,7 +72,7 @@ GROUP_REASONS: dict[str, str] = {
                      "configure it there",
     "ObservabilityConfig": "ferrollm exports no metrics or traces",
     "SchedulerConfig": "not supported by ferrollm's scheduler",
-    "CompilationConfig": "pass it inside `compilation_config` instead",
+    "CompilationConfig": "",
     "KernelConfig": "ferrollm chooses its own kernels",
     "VllmConfig": "not supported by ferrollm",
     "ferrollm": "",
@@ -264,8 +264,8 @@ _TABLE: list[tuple[str, list[tuple[str, Any, tuple[str | None, str | None]]]]] =
         ("stream_interval", 1, _refused()),
     ]),
     ("CompilationConfig", [
-        ("cudagraph_capture_sizes", None, _refused()),
-        ("max_cudagraph_capture_size", None, _refused()),
+        ("cudagraph_capture_sizes", None, _works("config/compilation.py (folded into compilation_config)")),
+        ("max_cudagraph_capture_size", None, _works("config/compilation.py (folded into compilation_config)")),
     ]),
     ("KernelConfig", [(n, d, _refused()) for n, d in [
         ("ir_op_priority", DEFAULT_CONFIG), ("moe_backend", "auto"), ("linear_backend", "auto"),

@@ -13,6 +13,7 @@ vLLM (`check_known_names` adds the closest known name).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import difflib
 from dataclasses import dataclass, field, fields, make_dataclass
 from typing import Any
@@ -76,6 +77,9 @@ class EngineArgs(_VllmEngineArgs):  # type: ignore[valid-type,misc]
     generation_config: str = "auto"
     override_generation_config: dict[str, Any] | None = None
     compilation_config: CompilationConfig | dict[str, Any] | int | None = None
+    # Shorthands for the `compilation_config` fields of the same names, as in vLLM.
+    cudagraph_capture_sizes: list[int] | None = None
+    max_cudagraph_capture_size: int | None = None
     quantization: str | None = None
 
     def __post_init__(self) -> None:
@@ -92,7 +96,9 @@ class EngineArgs(_VllmEngineArgs):  # type: ignore[valid-type,misc]
         Raises:
             ConfigError: a value out of range, naming the option, the bound and the value.
         """
-        self.compilation_config = CompilationConfig.from_value(self.compilation_config)
+        self.compilation_config = _with_capture_shorthands(CompilationConfig.from_value(self.compilation_config),
+                                                           self.cudagraph_capture_sizes,
+                                                           self.max_cudagraph_capture_size)
         if not isinstance(self.tensor_parallel_size, int) or not 1 <= self.tensor_parallel_size <= MAX_TP_SIZE:
             raise ConfigError(f"`tensor_parallel_size` must be an int >= 1 and <= {MAX_TP_SIZE}. Given: {self.tensor_parallel_size!r}")
         if self.distributed_executor_backend not in (None, "mp", "external_launcher"):
@@ -110,6 +116,21 @@ class EngineArgs(_VllmEngineArgs):  # type: ignore[valid-type,misc]
             raise ConfigError(f"`block_size` must be >= 1. Given: {self.block_size}")
         if self.max_num_seqs < 1:
             raise ConfigError(f"`max_num_seqs` must be >= 1. Given: {self.max_num_seqs}")
+
+
+def _with_capture_shorthands(config: CompilationConfig, sizes: list[int] | None,
+                             max_size: int | None) -> CompilationConfig:
+    """Folds `cudagraph_capture_sizes` / `max_cudagraph_capture_size` into the compilation
+    config (validated there); naming one in both places is refused, as in vLLM."""
+    changes: dict[str, Any] = {}
+    for name, value in (("cudagraph_capture_sizes", sizes), ("max_cudagraph_capture_size", max_size)):
+        if value is None:
+            continue
+        if getattr(config, name) is not None:
+            raise ConfigError(f"`{name}` and `compilation_config.{name}` are mutually exclusive: give one. "
+                              f"Given: {value!r} and {getattr(config, name)!r}")
+        changes[name] = value
+    return dataclasses.replace(config, **changes) if changes else config
 
 
 def refusal(arg: EngineArg, value: Any) -> str:
