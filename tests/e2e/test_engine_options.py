@@ -139,3 +139,19 @@ def test_use_tqdm_on_load_shows_a_bar_over_the_weight_files(tiny_llama, capfd, s
     with LLM(str(path), use_tqdm_on_load=show):
         pass
     assert ("Loading safetensors checkpoint shards" in capfd.readouterr().err) == show
+
+
+def test_hf_token_reaches_the_hub_download(tiny_llama, monkeypatch):
+    import huggingface_hub
+
+    path, _ = tiny_llama
+    seen = {}
+
+    def fake_snapshot_download(repo_id, **kw):
+        seen.update(kw, repo_id=repo_id)
+        return str(path)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
+    with LLM("tiny-org/private-llama", hf_token="hf_secret", use_tqdm_on_load=False):
+        pass
+    assert seen["repo_id"] == "tiny-org/private-llama" and seen["token"] == "hf_secret"

@@ -112,7 +112,7 @@ _TABLE: list[tuple[str, list[tuple[str, Any, tuple[str | None, str | None]]]]] =
         ("enable_trace_replay", False, _refused()),
         ("revision", None, _works("config/model_source.py (hub ids)")),
         ("code_revision", None, _refused("no remote code is run")),
-        ("hf_token", None, _refused("use huggingface_hub's login or HF_TOKEN")),
+        ("hf_token", None, _works("config/model_source.py: the token hub ids are fetched with")),
         ("hf_overrides", {}, _works(_W_MODEL)),
         ("model_class_overrides", {}, _refused("use `hf_overrides={'architectures': [...]}`")),
         ("tokenizer_revision", None, _refused()),

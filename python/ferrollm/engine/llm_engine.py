@@ -91,7 +91,7 @@ class LLMEngine:
             # for it (~0.5 s here).
             import transformers.configuration_utils  # noqa: F401
         with clock.phase("config"):
-            source = resolve_model_source(args.model, args.revision, args.download_dir)
+            source = resolve_model_source(args.model, args.revision, args.download_dir, args.hf_token)
             hf_config, weights = _read_checkpoint(source, args.use_tqdm_on_load)
             if args.load_format == "dummy":
                 check_dummy_source(hf_config, source.is_gguf)
