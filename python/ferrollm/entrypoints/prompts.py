@@ -18,13 +18,16 @@ def normalize_prompts(prompts: Any, vocab_size: int) -> list[tuple[str | None, s
         prompts = [prompts]
     out = []
     for i, p in enumerate(prompts):
+        if isinstance(p, dict):
+            _refuse_unsupported_fields(p, i)
         if isinstance(p, str):
             out.append((p, p))
         elif isinstance(p, dict) and "prompt_token_ids" in p:
             ids = [int(t) for t in p["prompt_token_ids"]]
             bad = [t for t in ids if not 0 <= t < vocab_size]
             if bad:
-                raise InvalidRequestError(f"`prompt_token_ids` of prompt {i} must be in [0, {vocab_size}). Given: {bad[0]}")
+                raise InvalidRequestError(f"Token id {bad[0]} is out of vocabulary: `prompt_token_ids` of prompt {i} "
+                                          f"must be in [0, {vocab_size}). Given: {bad[0]}")
             out.append((p.get("prompt"), ids))
         elif isinstance(p, dict) and isinstance(p.get("prompt"), str):
             out.append((p["prompt"], p["prompt"]))
@@ -33,3 +36,22 @@ def normalize_prompts(prompts: Any, vocab_size: int) -> list[tuple[str | None, s
                 f"`prompts` must be strings or dicts with 'prompt' or 'prompt_token_ids'. Given: {type(p).__name__} at index {i}"
             )
     return out
+
+
+# TextPrompt/TokensPrompt fields vLLM reads that ferrollm does not implement: refused when set,
+# so no input is silently dropped.
+_UNSUPPORTED = {
+    "multi_modal_data": "multimodal inputs are not supported",
+    "mm_processor_kwargs": "multimodal inputs are not supported",
+    "multi_modal_uuids": "multimodal inputs are not supported",
+    "cache_salt": "per-request prefix-cache salts are not supported yet",
+    "token_type_ids": "token type ids (cross-encoders) are not supported",
+    "prompt_embeds": "prompt embeddings as input are not supported",
+}
+
+
+def _refuse_unsupported_fields(prompt: dict, index: int) -> None:
+    for key, why in _UNSUPPORTED.items():
+        if prompt.get(key) is not None:
+            raise InvalidRequestError(f"`{key}` of prompt {index} must be None or absent: {why}. "
+                                      f"Given: {type(prompt[key]).__name__}")
