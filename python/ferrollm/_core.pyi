@@ -220,6 +220,7 @@ class EngineCore:
         max_num_batched_tokens: int = 8192,
         max_model_len: int = 4096,
         enable_chunked_prefill: bool = True,
+        long_prefill_token_threshold: int = 0,
         scheduling_policy: str = "fcfs",
         stream_outputs: bool = False,
         sliding_window: int | None = None,

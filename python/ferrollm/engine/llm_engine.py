@@ -24,6 +24,7 @@ from ferrollm.config.generation_config import default_sampling_fields
 from ferrollm.config.model_config import ModelConfig, build_model_config
 from ferrollm.config.model_source import resolve_model_source
 from ferrollm.engine.startup_report import (
+    KVCacheSummary,
     StartupClock,
     activation_workspace_bytes,
     log_memory,
@@ -42,6 +43,7 @@ from ferrollm.worker.worker import CacheOptions, Worker
 
 # The step channel serves up to 112 readers; no machine has that many accelerators.
 MAX_TP_SIZE = 64
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 
 @dataclass
@@ -72,6 +74,14 @@ class EngineArgs:
     override_generation_config: dict[str, Any] | None = None
     compilation_config: CompilationConfig | dict[str, Any] | int | None = None
     quantization: str | None = None
+    # Scheduling and KV cache (vLLM's CacheConfig / SchedulerConfig names and defaults).
+    num_gpu_blocks_override: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    kv_cache_dtype: str = "auto"
+    enable_chunked_prefill: bool | None = None
+    long_prefill_token_threshold: int = 0
+    scheduling_policy: str = "fcfs"
+    async_scheduling: bool | None = None
 
     def validate(self) -> None:
         self.compilation_config = CompilationConfig.from_value(self.compilation_config)
@@ -92,6 +102,25 @@ class EngineArgs:
             raise ConfigError(f"`block_size` must be >= 1. Given: {self.block_size}")
         if self.max_num_seqs < 1:
             raise ConfigError(f"`max_num_seqs` must be >= 1. Given: {self.max_num_seqs}")
+        self._validate_scheduling()
+
+    def _validate_scheduling(self) -> None:
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 2:
+            raise ConfigError("`num_gpu_blocks_override` must be >= 2 (one block is the reserved null block). "
+                              f"Given: {self.num_gpu_blocks_override}")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
+            raise ConfigError(f"`kv_cache_memory_bytes` must be >= 1. Given: {self.kv_cache_memory_bytes}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"`kv_cache_dtype` must be one of {list(KV_CACHE_DTYPES)}. Given: {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype != "auto":
+            raise NotImplementedError(f"`kv_cache_dtype={self.kv_cache_dtype!r}` is not built yet; use 'auto'.")
+        if self.long_prefill_token_threshold < 0:
+            raise ConfigError(f"`long_prefill_token_threshold` must be >= 0. Given: {self.long_prefill_token_threshold}")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ConfigError(f"`scheduling_policy` must be 'fcfs' or 'priority'. Given: {self.scheduling_policy!r}")
+        if self.async_scheduling:
+            raise NotImplementedError("`async_scheduling=True` is not built yet in ferrollm: each step is scheduled "
+                                      "after the previous one's model run. Leave it None or False.")
 
 
 def _device(name: str) -> torch.device:
@@ -175,7 +204,9 @@ class LLMEngine:
                                        enforce_eager=args.enforce_eager or device.type != "cuda")
         options = CacheOptions(block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                                max_num_batched_tokens=batched, gpu_memory_utilization=args.gpu_memory_utilization,
-                               load_format=args.load_format, compilation_config=compilation)
+                               load_format=args.load_format, compilation_config=compilation,
+                               num_gpu_blocks_override=args.num_gpu_blocks_override,
+                               kv_cache_memory_bytes=args.kv_cache_memory_bytes, kv_cache_dtype=args.kv_cache_dtype)
         executor: MultiprocExecutor | ExternalLauncherExecutor | None = None
         if args.tensor_parallel_size > 1:
             check_tp_shapes(mc.hf_config, args.tensor_parallel_size)
@@ -209,7 +240,7 @@ class LLMEngine:
         engine.model_load_seconds = load_seconds
         # Rank 0's GPU start-up measurements (None on the CPU), for logs and tests.
         engine.memory_profile = driver.memory_profile
-        _log_memory(args, mc, driver.runner, num_blocks)
+        _log_memory(args, mc, driver.runner, num_blocks, driver.kv_cache_sizing)
         return engine
 
     @property
@@ -336,20 +367,38 @@ def _read_checkpoint(source):
     return config, lambda: loader.iterate_safetensors(source.folder)
 
 
+def _chunked_prefill(args: EngineArgs) -> bool:
+    """vLLM's default for a generative model: on."""
+    return True if args.enable_chunked_prefill is None else bool(args.enable_chunked_prefill)
+
+
 def _batched_tokens(args: EngineArgs, max_model_len: int) -> int:
     """`max_num_batched_tokens`, by default 8192 (or `max_num_seqs`), but never more than
     `max_num_seqs` sequences of `max_model_len` can hold: a step's activations grow with its tokens,
-    so lowering either option lowers the peak."""
-    return args.max_num_batched_tokens or min(max(8192, args.max_num_seqs), max_model_len * args.max_num_seqs)
+    so lowering either option lowers the peak. Without chunked prefill the default rises to
+    `max_model_len`, so any prompt fits a step, as in vLLM; a smaller explicit value is refused."""
+    if args.max_num_batched_tokens is None:
+        default = max(8192, args.max_num_seqs)
+        if not _chunked_prefill(args):
+            default = max(default, max_model_len)
+        return min(default, max_model_len * args.max_num_seqs)
+    if not _chunked_prefill(args) and args.max_num_batched_tokens < max_model_len:
+        raise ConfigError(
+            f"max_num_batched_tokens ({args.max_num_batched_tokens}) is smaller than max_model_len "
+            f"({max_model_len}). This effectively limits the maximum sequence length to max_num_batched_tokens "
+            "and makes vLLM reject longer sequences. Please increase max_num_batched_tokens or decrease "
+            "max_model_len (or keep enable_chunked_prefill on).")
+    return args.max_num_batched_tokens
 
 
-def _log_memory(args: EngineArgs, mc: ModelConfig, runner: ModelRunner, num_blocks: int) -> None:
+def _log_memory(args: EngineArgs, mc: ModelConfig, runner: ModelRunner, num_blocks: int, sizing: str) -> None:
     """Rank 0's weights, KV cache and largest step workspace, at INFO."""
     batched = _batched_tokens(args, mc.max_model_len)
     kv_bytes = sum(t.numel() * t.element_size() for t in runner.kv_caches)
     workspace = activation_workspace_bytes(mc.hf_config, mc.dtype, batched, args.max_num_seqs)
-    log_memory(model_weight_bytes(runner.model), kv_bytes, num_blocks, args.block_size, workspace, batched,
-               args.max_num_seqs)
+    kv = KVCacheSummary(kv_bytes, num_blocks, args.block_size, str(runner.kv_caches[0].dtype).removeprefix("torch."),
+                        sizing)
+    log_memory(model_weight_bytes(runner.model), kv, workspace, batched, args.max_num_seqs)
 
 
 def _build_core(args: EngineArgs, mc: ModelConfig, window: int | None, num_blocks: int,
@@ -359,6 +408,8 @@ def _build_core(args: EngineArgs, mc: ModelConfig, window: int | None, num_block
         tokenizer=tokenizers.core, block_size=args.block_size, num_blocks=num_blocks,
         enable_prefix_caching=args.enable_prefix_caching, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=batched, max_model_len=mc.max_model_len, sliding_window=window,
+        enable_chunked_prefill=_chunked_prefill(args), long_prefill_token_threshold=args.long_prefill_token_threshold,
+        scheduling_policy=args.scheduling_policy,
     )
 
 
