@@ -30,6 +30,7 @@ from ferrollm.engine.startup_report import (
     log_memory,
     model_weight_bytes,
 )
+from ferrollm.engine.kv_memory import kv_cache_torch_dtype
 from ferrollm.engine.tokenizer_loader import Tokenizers, load_tokenizers
 from ferrollm.exceptions import ConfigError, EngineError
 from ferrollm.pooling_params import PoolingParams
@@ -112,8 +113,6 @@ class EngineArgs:
             raise ConfigError(f"`kv_cache_memory_bytes` must be >= 1. Given: {self.kv_cache_memory_bytes}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ConfigError(f"`kv_cache_dtype` must be one of {list(KV_CACHE_DTYPES)}. Given: {self.kv_cache_dtype!r}")
-        if self.kv_cache_dtype != "auto":
-            raise NotImplementedError(f"`kv_cache_dtype={self.kv_cache_dtype!r}` is not built yet; use 'auto'.")
         if self.long_prefill_token_threshold < 0:
             raise ConfigError(f"`long_prefill_token_threshold` must be >= 0. Given: {self.long_prefill_token_threshold}")
         if self.scheduling_policy not in ("fcfs", "priority"):
@@ -160,6 +159,10 @@ class LLMEngine:
         if args.seed is not None:
             torch.manual_seed(args.seed)
         device = _device(args.device)
+        if args.kv_cache_dtype != "auto" and device.type != "cpu":
+            raise NotImplementedError(
+                f"`kv_cache_dtype={args.kv_cache_dtype!r}` runs on the CPU only: ferrollm's Triton attention "
+                "kernels read and write the model's dtype. Use kv_cache_dtype='auto' on a GPU.")
         clock = StartupClock()
         with clock.phase("importing transformers"):
             # `from ferrollm import LLM` imports torch but not transformers; the first engine pays
@@ -435,6 +438,7 @@ def _build_pooling_core(args: EngineArgs, mc: ModelConfig, model, tokenizers: To
         max_num_batched_tokens=batched, max_model_len=core_len,
     )
     spec = model.kv_cache_spec()
-    kv_caches = [] if spec is None else allocate_kv_cache(spec[0], num_blocks, args.block_size, spec[1], spec[2], mc.dtype, device)
+    kv_dtype = kv_cache_torch_dtype(args.kv_cache_dtype, mc.dtype)
+    kv_caches = [] if spec is None else allocate_kv_cache(spec[0], num_blocks, args.block_size, spec[1], spec[2], kv_dtype, device)
     assert mc.pooler is not None
     return core, PoolingModelRunner(model, kv_caches, args.block_size, device, mc.pooler.pooling_type)

@@ -141,6 +141,32 @@ macro_rules! multiversion {
             $body::<$t>($($arg),*)
         }
     };
+    // Two element types: the first is the output's, the second the one read (an fp8 cache).
+    (fn $name:ident<$t:ident, $c:ident>($($arg:ident: $ty:ty),* $(,)?) => $body:ident) => {
+        #[inline]
+        fn $name<$t: Element, $c: Element>($($arg: $ty),*) {
+            #[cfg(target_arch = "x86_64")]
+            {
+                #[target_feature(enable = "avx512f,avx2,fma")]
+                unsafe fn widest<$t: Element, $c: Element>($($arg: $ty),*) {
+                    $body::<$t, $c>($($arg),*)
+                }
+                #[target_feature(enable = "avx2,fma")]
+                unsafe fn wide<$t: Element, $c: Element>($($arg: $ty),*) {
+                    $body::<$t, $c>($($arg),*)
+                }
+                if crate::simd::has_avx512f() {
+                    // SAFETY: the CPU has every feature `widest` was compiled for.
+                    return unsafe { widest::<$t, $c>($($arg),*) };
+                }
+                if crate::simd::has_avx2_fma() {
+                    // SAFETY: the CPU has every feature `wide` was compiled for.
+                    return unsafe { wide::<$t, $c>($($arg),*) };
+                }
+            }
+            $body::<$t, $c>($($arg),*)
+        }
+    };
 }
 pub(crate) use multiversion;
 
