@@ -6,11 +6,15 @@ from __future__ import annotations
 
 import logging
 import re
+import shutil
 
 import pytest
+import torch
 from e2e.test_llm_generate import greedy, prompts_for
 
 from ferrollm import LLM
+from ferrollm import exceptions as exc
+from ferrollm.attention.layer import Attention
 
 # |logprob difference| against the fp32 cache allowed on the tiny random checkpoint, in nats:
 # (mean over prompt tokens, mean over sampled tokens, largest anywhere). e4m3 keeps 3 mantissa
@@ -74,3 +78,31 @@ def test_fp8_cache_is_refused_on_a_gpu_and_bad_names_are_refused(tiny_llama):
         LLM(model=str(path), device="cuda", kv_cache_dtype="fp8")
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         LLM(model=str(path), kv_cache_dtype="int8")
+
+
+def test_checkpoint_kv_scales_reach_the_attention_layers(tiny_llama, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    path, hf_model = tiny_llama
+    folder = tmp_path / "with-scales"
+    shutil.copytree(path, folder)
+    (weights_file,) = folder.glob("*.safetensors")
+    tensors = load_file(weights_file)
+    # vLLM's names: one scale per tensor for keys and values, or the older shared `kv_scale`.
+    tensors["model.layers.0.self_attn.k_scale"] = torch.tensor(0.25)
+    tensors["model.layers.0.self_attn.v_scale"] = torch.tensor(0.5)
+    tensors["model.layers.1.self_attn.kv_scale"] = torch.tensor(2.0)
+    save_file(tensors, weights_file, metadata={"format": "pt"})
+    prompts = [{"prompt_token_ids": p} for p in prompts_for(hf_model.config.vocab_size)[:4]]
+    with LLM(model=str(folder), max_model_len=64, kv_cache_dtype="fp8") as llm:
+        layers = [m for m in llm.llm_engine.runner.model.modules() if isinstance(m, Attention)]
+        assert [(a.k_scale, a.v_scale) for a in layers] == [(0.25, 0.5), (2.0, 2.0)]
+        outs = llm.generate(prompts, greedy(4), use_tqdm=False)
+    with LLM(model=str(path), max_model_len=64, kv_cache_dtype="fp8") as llm:
+        unscaled = llm.generate(prompts, greedy(4), use_tqdm=False)
+    # The scales change what the cache rounds, not what attention computes.
+    assert sum(o.outputs[0].token_ids == u.outputs[0].token_ids for o, u in zip(outs, unscaled)) >= 3
+    tensors["model.layers.0.self_attn.k_scale"] = torch.ones(4)
+    save_file(tensors, weights_file, metadata={"format": "pt"})
+    with pytest.raises(exc.CheckpointError, match="holds 4 scales"):
+        LLM(model=str(folder), max_model_len=64, kv_cache_dtype="fp8")
