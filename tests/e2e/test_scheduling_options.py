@@ -72,7 +72,7 @@ def test_num_gpu_blocks_override_sets_the_cpu_pool_and_the_log_says_so(tiny_llam
         engine = llm.llm_engine
         assert all(t.shape[1] == 23 for t in engine.runner.kv_caches)
         assert engine.core.stats()["num_free_blocks"] == 22  # one is the null block
-        prompts = token_prompts(hf_model)
+        prompts = token_prompts(hf_model)[:3]
         outs = llm.generate(prompts, greedy(6), use_tqdm=False)
     for p, o in zip(prompts, outs):
         assert o.outputs[0].token_ids == hf_greedy(hf_model, p["prompt_token_ids"], 6)
@@ -213,3 +213,17 @@ def test_bad_scheduling_options_are_refused_by_name(tiny_llama):
         LLM(model=str(path), scheduling_policy="lifo")
     with pytest.raises(NotImplementedError, match="async_scheduling"):
         LLM(model=str(path), async_scheduling=True)
+
+
+@pytest.mark.parametrize("option", [{"enable_chunked_prefill": True}, {"long_prefill_token_threshold": 8},
+                                    {"num_gpu_blocks_override": 64}, {"kv_cache_memory_bytes": 1 << 20}])
+def test_a_pooling_model_refuses_options_it_has_nothing_for(tiny_llama, option):
+    path, _ = tiny_llama
+    with pytest.raises(NotImplementedError, match=f"`{next(iter(option))}=.*pooling model"):
+        LLM(model=str(path), runner="pooling", **option)
+
+
+def test_a_pooling_model_takes_the_priority_policy(tiny_llama):
+    path, _ = tiny_llama
+    with LLM(model=str(path), runner="pooling", scheduling_policy="priority", max_model_len=64) as llm:
+        assert len(llm.embed(["a", "b"], use_tqdm=False)) == 2

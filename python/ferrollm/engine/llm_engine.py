@@ -429,16 +429,31 @@ def _build_pooling_core(args: EngineArgs, mc: ModelConfig, model, tokenizers: To
         raise ConfigError(
             f"`max_num_batched_tokens` must be >= max_model_len ({mc.max_model_len}) for a pooling model, "
             f"whose prompts are never split across steps. Given: {args.max_num_batched_tokens}")
+    _check_pooling_scheduling(args)
     core_len = mc.max_model_len + 1
     batched = max(args.max_num_batched_tokens or 8192, core_len, args.max_num_seqs)
     num_blocks = 1 + -(-batched // args.block_size) + args.max_num_seqs
     core = EngineCore(
         tokenizer=tokenizers.core, block_size=args.block_size, num_blocks=num_blocks,
         enable_prefix_caching=False, enable_chunked_prefill=False, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=batched, max_model_len=core_len,
+        max_num_batched_tokens=batched, max_model_len=core_len, scheduling_policy=args.scheduling_policy,
     )
     spec = model.kv_cache_spec()
     kv_dtype = kv_cache_torch_dtype(args.kv_cache_dtype, mc.dtype)
     kv_caches = [] if spec is None else allocate_kv_cache(spec[0], num_blocks, args.block_size, spec[1], spec[2], kv_dtype, device)
     assert mc.pooler is not None
     return core, PoolingModelRunner(model, kv_caches, args.block_size, device, mc.pooler.pooling_type)
+
+
+def _check_pooling_scheduling(args: EngineArgs) -> None:
+    """A pooling model's prompt is pooled in the step that holds all of it, and its cache holds
+    that one step: options that split prompts or size the cache have nothing to act on."""
+    refused = {"enable_chunked_prefill": (args.enable_chunked_prefill, (None, False)),
+               "long_prefill_token_threshold": (args.long_prefill_token_threshold, (0,)),
+               "num_gpu_blocks_override": (args.num_gpu_blocks_override, (None,)),
+               "kv_cache_memory_bytes": (args.kv_cache_memory_bytes, (None,))}
+    for name, (value, defaults) in refused.items():
+        if value not in defaults:
+            raise NotImplementedError(
+                f"`{name}={value!r}` is not supported for a pooling model (runner='pooling'): each prompt is "
+                "pooled in one step, and its KV cache holds just that step. Leave it at its default.")
