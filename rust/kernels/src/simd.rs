@@ -65,6 +65,9 @@ mod x86 {
     /// An element type that loads eight at a time into f32 lanes. Public but unnameable outside
     /// the crate (`simd` is private): it seals `gemv::Weight` to the types implemented here.
     pub trait Lanes: Element {
+        /// Whether a load does more than widen (fp8's shifts and multiply): kernels that read
+        /// the same row once per query head then widen it once into f32 and read that instead.
+        const WIDENS: bool = false;
         /// # Safety
         /// `ptr` must address eight readable elements, and the CPU must have AVX2.
         unsafe fn load8(ptr: *const Self) -> __m256;

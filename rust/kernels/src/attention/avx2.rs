@@ -72,6 +72,7 @@ pub(super) unsafe fn attend<T: Element, C: Lanes>(unit: &Unit<'_, C>, soft_cap: 
 unsafe fn score_all<C: Lanes>(unit: &Unit<'_, C>, scores: &mut [f32], padded: usize) {
     let (n, dim, slot_len) = (unit.slots.len(), unit.dim, unit.kv_heads * unit.dim);
     let slot = |t: usize| unit.key_cache.as_ptr().add(unit.slots[t]);
+    let mut wide = if C::WIDENS { vec![0.0f32; TOKENS * dim] } else { Vec::new() };
     for t in 0..TOKENS.min(n) {
         prefetch(std::slice::from_raw_parts(slot(t), slot_len));
     }
@@ -83,11 +84,37 @@ unsafe fn score_all<C: Lanes>(unit: &Unit<'_, C>, scores: &mut [f32], padded: us
         let tile: [*const C; TOKENS] = std::array::from_fn(|j| slot((start + j).min(n - 1)));
         for kv_head in 0..unit.kv_heads {
             let keys = tile.map(|k| k.add(kv_head * dim));
-            for h in kv_head * unit.group..(kv_head + 1) * unit.group {
-                let tile = score_tile(unit.query[h * dim..].as_ptr(), &keys, dim);
-                _mm256_storeu_ps(scores.as_mut_ptr().add(h * padded + start), tile);
+            let heads = kv_head * unit.group..(kv_head + 1) * unit.group;
+            if C::WIDENS {
+                // Widened once here rather than once per query head of the group.
+                for (j, &k) in keys.iter().enumerate() {
+                    for c in (0..dim).step_by(8) {
+                        _mm256_storeu_ps(wide.as_mut_ptr().add(j * dim + c), C::load8(k.add(c)));
+                    }
+                }
+                let keys: [*const f32; TOKENS] = std::array::from_fn(|j| wide.as_ptr().add(j * dim));
+                score_heads(unit, heads, &keys, &mut scores[start..], padded);
+            } else {
+                score_heads(unit, heads, &keys, &mut scores[start..], padded);
             }
         }
+    }
+}
+
+/// One tile's scores for the query heads `heads`, at `scores[h * padded]`.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn score_heads<C: Lanes, K: Lanes>(
+    unit: &Unit<'_, C>,
+    heads: std::ops::Range<usize>,
+    keys: &[*const K; TOKENS],
+    scores: &mut [f32],
+    padded: usize,
+) {
+    let dim = unit.dim;
+    for h in heads {
+        let tile = score_tile(unit.query[h * dim..].as_ptr(), keys, dim);
+        _mm256_storeu_ps(scores.as_mut_ptr().add(h * padded), tile);
     }
 }
 

@@ -89,10 +89,10 @@ pub(super) unsafe fn attend<T: Element, C: Lanes>(unit: &Unit<'_, C>, soft_cap: 
 #[target_feature(enable = "avx512f")]
 unsafe fn score_all<T: Lanes>(unit: &Unit<'_, T>, scores: &mut [f32], padded: usize) {
     let (n, dim, slot_len) = (unit.slots.len(), unit.dim, unit.kv_heads * unit.dim);
-    let heads = unit.kv_heads * unit.group;
     let run = run_length(dim / LANES, MAX_VECTORS);
     let slot =
         |cache: &[T], t: usize| std::slice::from_raw_parts(cache.as_ptr().add(unit.slots[t]), slot_len);
+    let mut wide = if T::WIDENS { vec![0.0f32; TOKENS * dim] } else { Vec::new() };
     for t in 0..KEYS_AHEAD.min(n) {
         prefetch_l2(slot(unit.key_cache, t));
     }
@@ -102,25 +102,62 @@ unsafe fn score_all<T: Lanes>(unit: &Unit<'_, T>, scores: &mut [f32], padded: us
             std::array::from_fn(|j| slot(unit.key_cache, (start + j).min(n - 1)).as_ptr());
         for kv_head in 0..unit.kv_heads {
             let keys = tile.map(|k| k.add(kv_head * dim));
-            for h in kv_head * unit.group..(kv_head + 1) * unit.group {
-                for j in h * TOKENS / heads..(h + 1) * TOKENS / heads {
-                    if start + KEYS_AHEAD + j < n {
-                        prefetch_l2(slot(unit.key_cache, start + KEYS_AHEAD + j));
-                    }
-                    if start + VALUES_AHEAD + j < n {
-                        prefetch_l2(slot(unit.value_cache, start + VALUES_AHEAD + j));
+            let tile = Tile { start, run, heads: kv_head * unit.group..(kv_head + 1) * unit.group };
+            if T::WIDENS {
+                // Widened once here rather than once per query head of the group.
+                for (j, &k) in keys.iter().enumerate() {
+                    for c in (0..dim).step_by(LANES) {
+                        _mm512_storeu_ps(wide.as_mut_ptr().add(j * dim + c), T::load16(k.add(c)));
                     }
                 }
-                let query = unit.query[h * dim..].as_ptr();
-                let tile = match run {
-                    1 => score_tile::<T, 1>(query, &keys, dim),
-                    2 => score_tile::<T, 2>(query, &keys, dim),
-                    3 => score_tile::<T, 3>(query, &keys, dim),
-                    _ => score_tile::<T, MAX_VECTORS>(query, &keys, dim),
-                };
-                _mm512_storeu_ps(scores.as_mut_ptr().add(h * padded + start), tile);
+                let keys: [*const f32; TOKENS] = std::array::from_fn(|j| wide.as_ptr().add(j * dim));
+                score_heads(unit, &tile, &keys, scores, padded);
+            } else {
+                score_heads(unit, &tile, &keys, scores, padded);
             }
         }
+    }
+}
+
+/// Which scores one call of [`score_heads`] fills: tokens `start..start + TOKENS` of the query
+/// heads `heads`, `run` vectors of the head dimension at a time.
+struct Tile {
+    start: usize,
+    run: usize,
+    heads: std::ops::Range<usize>,
+}
+
+/// One tile's scores for its query heads, each preceded by its share of the prefetches.
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn score_heads<T: Lanes, K: Lanes>(
+    unit: &Unit<'_, T>,
+    tile: &Tile,
+    keys: &[*const K; TOKENS],
+    scores: &mut [f32],
+    padded: usize,
+) {
+    let (n, dim, slot_len) = (unit.slots.len(), unit.dim, unit.kv_heads * unit.dim);
+    let (heads, start) = (unit.kv_heads * unit.group, tile.start);
+    let slot =
+        |cache: &[T], t: usize| std::slice::from_raw_parts(cache.as_ptr().add(unit.slots[t]), slot_len);
+    for h in tile.heads.clone() {
+        for j in h * TOKENS / heads..(h + 1) * TOKENS / heads {
+            if start + KEYS_AHEAD + j < n {
+                prefetch_l2(slot(unit.key_cache, start + KEYS_AHEAD + j));
+            }
+            if start + VALUES_AHEAD + j < n {
+                prefetch_l2(slot(unit.value_cache, start + VALUES_AHEAD + j));
+            }
+        }
+        let query = unit.query[h * dim..].as_ptr();
+        let sums = match tile.run {
+            1 => score_tile::<K, 1>(query, keys, dim),
+            2 => score_tile::<K, 2>(query, keys, dim),
+            3 => score_tile::<K, 3>(query, keys, dim),
+            _ => score_tile::<K, MAX_VECTORS>(query, keys, dim),
+        };
+        _mm512_storeu_ps(scores.as_mut_ptr().add(h * padded + start), sums);
     }
 }
 

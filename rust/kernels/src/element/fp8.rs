@@ -2,8 +2,10 @@
 //! `"fp8_e5m2"`), bit for bit as torch's `float8_e4m3fn` and `float8_e5m2` store them.
 //!
 //! Decoding needs no table and no F16C: the byte's magnitude bits shifted into an f32's exponent
-//! and mantissa give the value times a power of two (e4m3 subnormals become f32 subnormals,
-//! which the multiply makes normal exactly), so the SIMD loads are a shift and a multiply.
+//! and mantissa, plus the difference of the exponent biases, are the f32's bits for every normal
+//! value; the few subnormal codes are their integer mantissa times a power of two. (Shifting and
+//! then multiplying by a power of two would be shorter, but its intermediate f32 subnormals cost
+//! a microcode assist each: ~50% of the decode kernel's time on random keys here.)
 //! Encoding rounds to nearest even and saturates at the largest finite value, as vLLM's cache
 //! kernels convert (`SATFINITE`): a key past the range becomes ±max, not NaN or infinity.
 //! Costs: decode is 4 integer ops and a multiply; encode about 20 scalar ops per element.
@@ -26,12 +28,17 @@ pub struct Fp8E5m2(pub u8);
 pub(crate) mod format {
     /// e4m3: magnitude bits shifted by this land in an f32's exponent and mantissa.
     pub const E4M3_SHIFT: u32 = 20;
-    /// `2^(127 - 7)`: undoes the bias difference after the shift.
-    pub const E4M3_RESCALE: f32 = f32::from_bits((127 + 120) << 23);
+    /// Added to the shifted bits: the exponent bias difference, `127 - 7`, in place.
+    pub const E4M3_REBIAS: u32 = 120 << 23;
+    /// Magnitudes below this are subnormal: `mag * 2^-9`.
+    pub const E4M3_MIN_NORMAL: u32 = 0x08;
+    pub const E4M3_SUBNORMAL_UNIT: f32 = 1.0 / 512.0;
     pub const E4M3_MAX: f32 = 448.0;
     pub const E5M2_SHIFT: u32 = 21;
-    /// `2^(127 - 15)`.
-    pub const E5M2_RESCALE: f32 = f32::from_bits((127 + 112) << 23);
+    pub const E5M2_REBIAS: u32 = 112 << 23;
+    /// Magnitudes below this are subnormal: `mag * 2^-16`.
+    pub const E5M2_MIN_NORMAL: u32 = 0x04;
+    pub const E5M2_SUBNORMAL_UNIT: f32 = 1.0 / 65536.0;
     pub const E5M2_MAX: f32 = 57344.0;
 }
 use format::*;
@@ -44,7 +51,10 @@ impl Element for Fp8E4m3 {
         if mag == 0x7f {
             return f32::from_bits(sign | 0x7fc0_0000);
         }
-        f32::from_bits(sign | mag << E4M3_SHIFT) * E4M3_RESCALE
+        if mag < E4M3_MIN_NORMAL {
+            return f32::from_bits(sign | (mag as f32 * E4M3_SUBNORMAL_UNIT).to_bits());
+        }
+        f32::from_bits(sign | ((mag << E4M3_SHIFT) + E4M3_REBIAS))
     }
     #[inline(always)]
     fn from_f32(value: f32) -> Self {
@@ -61,7 +71,10 @@ impl Element for Fp8E5m2 {
             // Infinity (mantissa 0) or NaN, as the IEEE half whose top byte this is.
             return f32::from_bits(sign | 0x7f80_0000 | (mag & 3) << E5M2_SHIFT);
         }
-        f32::from_bits(sign | mag << E5M2_SHIFT) * E5M2_RESCALE
+        if mag < E5M2_MIN_NORMAL {
+            return f32::from_bits(sign | (mag as f32 * E5M2_SUBNORMAL_UNIT).to_bits());
+        }
+        f32::from_bits(sign | ((mag << E5M2_SHIFT) + E5M2_REBIAS))
     }
     #[inline(always)]
     fn from_f32(value: f32) -> Self {
@@ -112,12 +125,13 @@ mod lanes {
     use crate::simd::Lanes;
 
     impl Lanes for Fp8E4m3 {
+        const WIDENS: bool = true;
         #[inline]
         #[target_feature(enable = "avx2,fma")]
         unsafe fn load8(ptr: *const Self) -> __m256 {
             let x = _mm256_cvtepu8_epi32(_mm_loadl_epi64(ptr.cast::<__m128i>()));
             let mag = _mm256_and_si256(x, _mm256_set1_epi32(0x7f));
-            let v = widen8(x, mag, E4M3_SHIFT as i32, E4M3_RESCALE);
+            let v = widen8(x, mag, E4M3_SHIFT as i32, E4M3_REBIAS, E4M3_MIN_NORMAL, E4M3_SUBNORMAL_UNIT);
             let nan = _mm256_castsi256_ps(_mm256_cmpeq_epi32(mag, _mm256_set1_epi32(0x7f)));
             _mm256_blendv_ps(v, _mm256_set1_ps(f32::NAN), nan)
         }
@@ -126,19 +140,20 @@ mod lanes {
         unsafe fn load16(ptr: *const Self) -> __m512 {
             let x = _mm512_cvtepu8_epi32(_mm_loadu_si128(ptr.cast::<__m128i>()));
             let mag = _mm512_and_si512(x, _mm512_set1_epi32(0x7f));
-            let v = widen16(x, mag, E4M3_SHIFT, E4M3_RESCALE);
+            let v = widen16(x, mag, E4M3_SHIFT, E4M3_REBIAS, E4M3_MIN_NORMAL, E4M3_SUBNORMAL_UNIT);
             let nan = _mm512_cmpeq_epi32_mask(mag, _mm512_set1_epi32(0x7f));
             _mm512_mask_blend_ps(nan, v, _mm512_set1_ps(f32::NAN))
         }
     }
 
     impl Lanes for Fp8E5m2 {
+        const WIDENS: bool = true;
         #[inline]
         #[target_feature(enable = "avx2,fma")]
         unsafe fn load8(ptr: *const Self) -> __m256 {
             let x = _mm256_cvtepu8_epi32(_mm_loadl_epi64(ptr.cast::<__m128i>()));
             let mag = _mm256_and_si256(x, _mm256_set1_epi32(0x7f));
-            let v = widen8(x, mag, E5M2_SHIFT as i32, E5M2_RESCALE);
+            let v = widen8(x, mag, E5M2_SHIFT as i32, E5M2_REBIAS, E5M2_MIN_NORMAL, E5M2_SUBNORMAL_UNIT);
             // Infinities and NaNs keep their mantissa bits in an f32 whose exponent is all ones.
             let low = _mm256_sll_epi32(
                 _mm256_and_si256(mag, _mm256_set1_epi32(3)),
@@ -153,7 +168,7 @@ mod lanes {
         unsafe fn load16(ptr: *const Self) -> __m512 {
             let x = _mm512_cvtepu8_epi32(_mm_loadu_si128(ptr.cast::<__m128i>()));
             let mag = _mm512_and_si512(x, _mm512_set1_epi32(0x7f));
-            let v = widen16(x, mag, E5M2_SHIFT, E5M2_RESCALE);
+            let v = widen16(x, mag, E5M2_SHIFT, E5M2_REBIAS, E5M2_MIN_NORMAL, E5M2_SUBNORMAL_UNIT);
             let low = _mm512_slli_epi32::<{ E5M2_SHIFT }>(_mm512_and_si512(mag, _mm512_set1_epi32(3)));
             let sign = _mm512_slli_epi32::<24>(_mm512_and_si512(x, _mm512_set1_epi32(0x80)));
             let special = _mm512_or_si512(_mm512_or_si512(low, sign), _mm512_set1_epi32(0x7f80_0000));
@@ -169,20 +184,41 @@ mod lanes {
         _mm256_slli_epi32::<24>(_mm256_and_si256(x, _mm256_set1_epi32(0x80)))
     }
 
-    /// `±(mag << shift as f32 bits) * rescale`: the finite values of either format.
+    /// The finite values of either format: `(mag << shift) + rebias` as f32 bits for normal
+    /// magnitudes, `mag * unit` below `min_normal`, with the sign.
     #[inline]
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn widen8(x: __m256i, mag: __m256i, shift: i32, rescale: f32) -> __m256 {
-        let v = _mm256_castsi256_ps(_mm256_sll_epi32(mag, _mm_cvtsi32_si128(shift)));
-        let v = _mm256_mul_ps(v, _mm256_set1_ps(rescale));
+    unsafe fn widen8(
+        x: __m256i,
+        mag: __m256i,
+        shift: i32,
+        rebias: u32,
+        min_normal: u32,
+        unit: f32,
+    ) -> __m256 {
+        let shifted = _mm256_sll_epi32(mag, _mm_cvtsi32_si128(shift));
+        let normal = _mm256_castsi256_ps(_mm256_add_epi32(shifted, _mm256_set1_epi32(rebias as i32)));
+        let subnormal = _mm256_mul_ps(_mm256_cvtepi32_ps(mag), _mm256_set1_ps(unit));
+        let is_subnormal = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(min_normal as i32), mag));
+        let v = _mm256_blendv_ps(normal, subnormal, is_subnormal);
         _mm256_or_ps(v, _mm256_castsi256_ps(sign8(x)))
     }
 
     #[inline]
     #[target_feature(enable = "avx512f")]
-    unsafe fn widen16(x: __m512i, mag: __m512i, shift: u32, rescale: f32) -> __m512 {
-        let v = _mm512_castsi512_ps(_mm512_sllv_epi32(mag, _mm512_set1_epi32(shift as i32)));
-        let v = _mm512_mul_ps(v, _mm512_set1_ps(rescale));
+    unsafe fn widen16(
+        x: __m512i,
+        mag: __m512i,
+        shift: u32,
+        rebias: u32,
+        min_normal: u32,
+        unit: f32,
+    ) -> __m512 {
+        let shifted = _mm512_sllv_epi32(mag, _mm512_set1_epi32(shift as i32));
+        let normal = _mm512_castsi512_ps(_mm512_add_epi32(shifted, _mm512_set1_epi32(rebias as i32)));
+        let subnormal = _mm512_mul_ps(_mm512_cvtepi32_ps(mag), _mm512_set1_ps(unit));
+        let is_subnormal = _mm512_cmplt_epi32_mask(mag, _mm512_set1_epi32(min_normal as i32));
+        let v = _mm512_mask_blend_ps(is_subnormal, normal, subnormal);
         let sign = _mm512_slli_epi32::<24>(_mm512_and_si512(x, _mm512_set1_epi32(0x80)));
         _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(v), sign))
     }
