@@ -145,9 +145,9 @@ macro_rules! multiversion {
         }
     };
     // Two element types: the first is the output's, the second the one read (an fp8 cache).
-    (fn $name:ident<$t:ident, $c:ident>($($arg:ident: $ty:ty),* $(,)?) => $body:ident) => {
+    ($vis:vis fn $name:ident<$t:ident, $c:ident>($($arg:ident: $ty:ty),* $(,)?) => $body:ident) => {
         #[inline]
-        fn $name<$t: Element, $c: Element>($($arg: $ty),*) {
+        $vis fn $name<$t: Element, $c: Element>($($arg: $ty),*) {
             #[cfg(target_arch = "x86_64")]
             {
                 #[target_feature(enable = "avx512f,avx2,fma")]
