@@ -41,6 +41,7 @@ __all__ = [
     "cpu_wq_linear",
     "cpu_wq_pack_int4",
     "cpu_write_kv",
+    "cpu_write_kv_quantized",
 ]
 __version__: str
 
@@ -220,6 +221,7 @@ class EngineCore:
         max_num_batched_tokens: int = 8192,
         max_model_len: int = 4096,
         enable_chunked_prefill: bool = True,
+        long_prefill_token_threshold: int = 0,
         scheduling_policy: str = "fcfs",
         stream_outputs: bool = False,
         sliding_window: int | None = None,
@@ -328,6 +330,9 @@ def cpu_paged_decode(
     threads: int,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    cache_dtype: str | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None: ...
 def cpu_paged_prefill_supported(head_dim: int) -> bool: ...
 def cpu_paged_prefill(
@@ -383,6 +388,21 @@ def cpu_write_kv(
     width: int,
     key_stride: int,
     value_stride: int,
+) -> None: ...
+def cpu_write_kv_quantized(
+    dtype: str,
+    cache_dtype: str,
+    key: _Buffer,
+    value: _Buffer,
+    slot_mapping: _Buffer,
+    key_cache: _Buffer,
+    value_cache: _Buffer,
+    tokens: int,
+    width: int,
+    key_stride: int,
+    value_stride: int,
+    k_scale: float,
+    v_scale: float,
 ) -> None: ...
 
 # GGUF block decoding (`rust/kernels/src/quant.rs`); see `ferrollm.kernels.cpu.gguf`, the caller.

@@ -12,6 +12,12 @@ and bf16, head sizes a multiple of 64, no soft-capping) the Rust kernel
 (`ferrollm.kernels.cpu.paged_prefill`) does each in place, ~3x torch's fused attention on a
 Qwen2-0.5B prompt, else (and as its reference, `_prefill_torch`) the blocks are gathered.
 
+An fp8 cache (`kv_cache_dtype="fp8"`, `"fp8_e5m2"`) holds ``key / k_scale`` and
+``value / v_scale`` (vLLM's per-tensor scales, 1.0 by default), rounded to nearest even and
+saturated at the format's largest value. The Rust kernels write it and read it in place in decode
+rows; the torch paths (prefill chunks, and the references) gather its blocks, widen them to
+float32 and multiply the scales back.
+
 The work goes to torch's fused CPU attention (`scaled_dot_product_attention`): on the
 development machine it halves a 512-token prefill and a 32-row decode against the unfused
 scores/mask/softmax/matmul chain, which remains (`_attend`) for logit soft-capping, which the
@@ -37,7 +43,8 @@ NAME = "TORCH"
 
 
 def write_kv(
-    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    k_scale: float = 1.0, v_scale: float = 1.0,
 ) -> None:
     """Writes this step's keys and values into their cache slots.
 
@@ -46,18 +53,35 @@ def write_kv(
         value: same shape as ``key``.
         kv_cache: one layer's cache, ``[2, num_blocks, block_size, num_kv_heads, head_dim]``.
         slot_mapping: int64 ``[num_tokens]``, flat slot ``block_id * block_size + offset``.
+        k_scale, v_scale: an fp8 cache stores ``key / k_scale`` and ``value / v_scale``.
     """
     if cpu_kernels.write_kv_supported(key, value, kv_cache, slot_mapping):
-        return cpu_kernels.write_kv(key, value, kv_cache, slot_mapping)
-    _write_kv_torch(key, value, kv_cache, slot_mapping)
+        return cpu_kernels.write_kv(key, value, kv_cache, slot_mapping, k_scale, v_scale)
+    _write_kv_torch(key, value, kv_cache, slot_mapping, k_scale, v_scale)
 
 
-def _write_kv_torch(key, value, kv_cache, slot_mapping):
+def _write_kv_torch(key, value, kv_cache, slot_mapping, k_scale=1.0, v_scale=1.0):
     """`write_kv` in torch ops: the reference the Rust kernel is tested against."""
     num_kv_heads, head_dim = kv_cache.shape[-2:]
+    key, value = _to_cache(key, kv_cache.dtype, k_scale), _to_cache(value, kv_cache.dtype, v_scale)
+    if is_fp8(kv_cache.dtype):  # torch has no fp8 index_copy_ on the CPU: copy the bytes
+        kv_cache, key, value = kv_cache.view(torch.uint8), key.view(torch.uint8), value.view(torch.uint8)
     # kv_cache[i] is a contiguous slab, so this view aliases the cache.
-    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
-    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
+    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
+    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
+
+
+def is_fp8(dtype: torch.dtype) -> bool:
+    return dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def _to_cache(x, dtype, scale):
+    """``x`` as the cache stores it: an fp8 cache saturates ``x / scale`` at its largest value
+    (torch's cast alone would give NaN or infinity past it), as vLLM's cache kernels do."""
+    if not is_fp8(dtype):
+        return x.to(dtype)
+    limit = torch.finfo(dtype).max
+    return (x.float() / scale).clamp_(-limit, limit).to(dtype)
 
 
 def paged_attention(
@@ -67,6 +91,8 @@ def paged_attention(
     scale: float,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Causal attention of each request's new tokens over its whole context in the paged cache.
 
@@ -81,15 +107,22 @@ def paged_attention(
         sliding_window: if set, a query at position ``p`` sees keys at positions
             ``> p - sliding_window`` only.
         logits_soft_cap: if set, scores become ``cap * tanh(scores / cap)`` before the softmax.
+        k_scale, v_scale: what an fp8 cache's keys and values are multiplied by when read.
 
     Returns:
         ``[num_tokens, num_heads, head_dim]`` in ``query``'s dtype.
     """
     opts = (scale, sliding_window, logits_soft_cap)
+    if is_fp8(kv_cache.dtype):
+        return _paged_attention(query, kv_cache, meta, opts, (k_scale, v_scale))
+    return _paged_attention(query, kv_cache, meta, opts, None)
+
+
+def _paged_attention(query, kv_cache, meta, opts, kv_scales):
     if meta.num_tokens == 0:
         return torch.empty_like(query)
     if meta.is_decode_only:
-        return _decode(query, kv_cache, meta.block_tables, meta.seq_lens, meta.max_seq_len, opts)
+        return _decode(query, kv_cache, meta.block_tables, meta.seq_lens, meta.max_seq_len, opts, kv_scales)
     out = torch.empty_like(query)
     query_lens = meta.query_start_loc[1:] - meta.query_start_loc[:-1]
     decode_rows = torch.nonzero(query_lens == 1).flatten()
@@ -97,7 +130,7 @@ def paged_attention(
         tokens = meta.query_start_loc[decode_rows].long()
         seq_lens = meta.seq_lens[decode_rows]
         decoded = _decode(query[tokens], kv_cache, meta.block_tables[decode_rows], seq_lens,
-                          int(seq_lens.max()), opts)
+                          int(seq_lens.max()), opts, kv_scales)
         out.index_copy_(0, tokens, decoded)
     prefill_rows = torch.nonzero(query_lens > 1).flatten().tolist()
     starts = meta.query_start_loc.tolist()
@@ -106,22 +139,22 @@ def paged_attention(
     for row in prefill_rows:
         start, end = starts[row], starts[row + 1]
         _prefill(query[start:end], kv_cache, meta.block_tables[row], seq_lens[row], computed[row], opts,
-                 out[start:end])
+                 out[start:end], kv_scales)
     return out
 
 
-def _decode(query, kv_cache, block_tables, seq_lens, max_seq_len, opts):
+def _decode(query, kv_cache, block_tables, seq_lens, max_seq_len, opts, kv_scales=None):
     """One query token per row; rows are batched. Returns ``[rows, num_heads, head_dim]``."""
     if cpu_kernels.paged_decode_supported(query, kv_cache):
-        return cpu_kernels.paged_decode(query, kv_cache, block_tables, seq_lens, *opts)
-    return _decode_torch(query, kv_cache, block_tables, seq_lens, max_seq_len, opts)
+        return cpu_kernels.paged_decode(query, kv_cache, block_tables, seq_lens, *opts, *(kv_scales or ()))
+    return _decode_torch(query, kv_cache, block_tables, seq_lens, max_seq_len, opts, kv_scales)
 
 
-def _decode_torch(query, kv_cache, block_tables, seq_lens, max_seq_len, opts):
+def _decode_torch(query, kv_cache, block_tables, seq_lens, max_seq_len, opts, kv_scales=None):
     """`_decode` in torch ops: the reference the Rust kernel is tested against."""
     block_size = kv_cache.shape[2]
     num_blocks = -(-max_seq_len // block_size)
-    keys, values = _gather(kv_cache, block_tables[:, :num_blocks])
+    keys, values = _gather(kv_cache, block_tables[:, :num_blocks], kv_scales)
     query_pos = (seq_lens.long() - 1)[:, None]
     scale, sliding_window, soft_cap = opts
     if soft_cap is not None:
@@ -137,21 +170,21 @@ def _decode_torch(query, kv_cache, block_tables, seq_lens, max_seq_len, opts):
     return out.reshape(rows, num_heads, dim).to(query.dtype)
 
 
-def _prefill(query, kv_cache, block_table, seq_len, num_computed, opts, out=None):
+def _prefill(query, kv_cache, block_table, seq_len, num_computed, opts, out=None, kv_scales=None):
     """One request's query chunk, positions ``num_computed ..``: ``[q_len, heads, dim]``, written
     into ``out`` if given (the kernel writes there directly, without a result of its own to copy)."""
     scale, sliding_window, soft_cap = opts
     if soft_cap is None and cpu_kernels.paged_prefill_supported(query, kv_cache):
         return cpu_kernels.paged_prefill(query, kv_cache, block_table, num_computed, scale, sliding_window, out)
-    result = _prefill_torch(query, kv_cache, block_table, seq_len, num_computed, opts)
+    result = _prefill_torch(query, kv_cache, block_table, seq_len, num_computed, opts, kv_scales)
     return result if out is None else out.copy_(result)
 
 
-def _prefill_torch(query, kv_cache, block_table, seq_len, num_computed, opts):
+def _prefill_torch(query, kv_cache, block_table, seq_len, num_computed, opts, kv_scales=None):
     """`_prefill` in torch ops: the reference the Rust kernel is tested against."""
     block_size = kv_cache.shape[2]
     num_blocks = -(-seq_len // block_size)
-    keys, values = _gather(kv_cache, block_table[None, :num_blocks])
+    keys, values = _gather(kv_cache, block_table[None, :num_blocks], kv_scales)
     query_pos = torch.arange(num_computed, num_computed + len(query), device=query.device)
     scale, sliding_window, soft_cap = opts
     if soft_cap is not None:
@@ -183,8 +216,9 @@ def _visible(query_pos, ctx_len, sliding_window):
     return visible
 
 
-def _gather(kv_cache, block_tables):
-    """Reads blocks into ``keys, values``, each ``[rows, num_blocks * block_size, kv_heads, dim]``.
+def _gather(kv_cache, block_tables, kv_scales=None):
+    """Reads blocks into ``keys, values``, each ``[rows, num_blocks * block_size, kv_heads, dim]``;
+    an fp8 cache's (``kv_scales`` given) widened to float32 and multiplied by its scales.
 
     `index_select` along the blocks' own dimension copies each block whole; advanced indexing
     (`kv_cache[:, ids]`) copies element by element, which measured 3x slower for 32 fp32 rows and
@@ -192,7 +226,10 @@ def _gather(kv_cache, block_tables):
     rows, num_blocks = block_tables.shape
     ids = block_tables.reshape(-1).long()
     shape = (rows, num_blocks * kv_cache.shape[2], *kv_cache.shape[-2:])
-    return kv_cache[0].index_select(0, ids).view(shape), kv_cache[1].index_select(0, ids).view(shape)
+    keys, values = kv_cache[0].index_select(0, ids).view(shape), kv_cache[1].index_select(0, ids).view(shape)
+    if kv_scales is None:
+        return keys, values
+    return keys.float() * kv_scales[0], values.float() * kv_scales[1]
 
 
 def _attend(query, keys, values, query_pos, scale, sliding_window, soft_cap):

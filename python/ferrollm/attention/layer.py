@@ -37,6 +37,9 @@ class Attention(nn.Module):
         self.num_kv_heads = num_kv_heads or num_heads
         self.sliding_window = sliding_window
         self.logits_soft_cap = logits_soft_cap
+        # vLLM's per-tensor scales of an fp8 KV cache (stored = x / scale); 1.0 unless set.
+        self.k_scale = 1.0
+        self.v_scale = 1.0
         # This layer's position in the model's KV caches, set by `bind_kv_cache_indices` before
         # the model is compiled: a compiled forward reaches its cache through the forward context.
         self.kv_cache_index: int | None = None
@@ -61,10 +64,12 @@ class Attention(nn.Module):
         key = key.view(num_tokens, self.num_kv_heads, self.head_size)
         value = value.view(num_tokens, self.num_kv_heads, self.head_size)
         backend = get_attn_backend(kv_cache.device)
-        backend.write_kv(key, value, kv_cache, attn_metadata.slot_mapping)
+        # Only an fp8 cache (one byte per element) takes scales; only the CPU backend has one.
+        scales = (self.k_scale, self.v_scale) if kv_cache.element_size() == 1 else ()
+        backend.write_kv(key, value, kv_cache, attn_metadata.slot_mapping, *scales)
         out = backend.paged_attention(
             query.view(num_tokens, self.num_heads, self.head_size), kv_cache, attn_metadata,
-            self.scale, self.sliding_window, self.logits_soft_cap,
+            self.scale, self.sliding_window, self.logits_soft_cap, *scales,
         )
         return out.view(num_tokens, self.num_heads * self.head_size)
 

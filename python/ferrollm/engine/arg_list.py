@@ -22,8 +22,6 @@ VLLM_VERSION = "0.32.0"
 # (`CompilationConfig()`, ...): None or an empty dict stand for it.
 DEFAULT_CONFIG = "<default config>"
 
-# The reason of the options issue #27's other parts build (the lead flips them when merging).
-NOT_BUILT_C = "not built yet (issue #27 part C: scheduling and KV cache)"
 
 
 @dataclass(frozen=True)
@@ -188,14 +186,14 @@ _TABLE: list[tuple[str, list[tuple[str, Any, tuple[str | None, str | None]]]]] =
         ("enable_fault_tolerance", False, _refused()),
     ]),
     ("CacheConfig", [
-        ("kv_cache_dtype", "auto", _refused(NOT_BUILT_C)),
+        ("kv_cache_dtype", "auto", _works("CPU: fp8 e4m3/e5m2 cache with per-tensor scales (Rust kernels); refused on GPUs")),
         ("block_size", None, _works("engine core (Rust): tokens per KV block; None is 16")),
         ("enable_prefix_caching", None, _works("engine core (Rust); None is True")),
         ("prefix_caching_hash_algo", "sha256", _refused("the core hashes blocks with its own function")),
         ("prefix_cache_retention_interval", 0, _refused()),
         ("gpu_memory_utilization", 0.92, _works("worker/gpu_profiler.py (GPU only)")),
-        ("kv_cache_memory_bytes", None, _refused(NOT_BUILT_C)),
-        ("num_gpu_blocks_override", None, _refused(NOT_BUILT_C)),
+        ("kv_cache_memory_bytes", None, _works("replaces FERROLLM_CPU_KVCACHE_SPACE / gpu_memory_utilization sizing")),
+        ("num_gpu_blocks_override", None, _works("the KV block count, on the CPU too")),
         ("kv_cache_dtype_skip_layers", [], _refused()),
         ("mamba_cache_dtype", "auto", _refused("no Mamba/SSM models in ferrollm")),
         ("mamba_ssm_cache_dtype", "auto", _refused("no Mamba/SSM models in ferrollm")),
@@ -245,21 +243,21 @@ _TABLE: list[tuple[str, list[tuple[str, Any, tuple[str | None, str | None]]]]] =
     ("SchedulerConfig", [
         ("max_num_batched_tokens", None, _works("engine core (Rust) scheduler")),
         ("max_num_scheduled_tokens", None, _refused()),
-        ("long_prefill_token_threshold", 0, _refused(NOT_BUILT_C)),
+        ("long_prefill_token_threshold", 0, _works("the Rust scheduler")),
         ("long_prefill_token_threshold_adaptive", False, _refused()),
         ("max_num_seqs", None, _works("engine core (Rust) scheduler; None is 256")),
         ("max_num_active_seqs", None, _refused()),
         ("max_num_queued_reqs", None, _refused()),
         ("max_num_queued_tokens", None, _refused()),
-        ("enable_chunked_prefill", None, _refused(NOT_BUILT_C)),
+        ("enable_chunked_prefill", None, _works("the Rust scheduler")),
         ("disable_chunked_mm_input", False, _refused("multimodal inputs are not supported")),
         ("scheduler_reserve_full_isl", True, _refused()),
         ("prefill_schedule_interval", 1, _refused()),
         ("watermark", 0.0, _refused()),
         ("disable_hybrid_kv_cache_manager", None, _refused()),
-        ("scheduling_policy", "fcfs", _refused(NOT_BUILT_C)),
+        ("scheduling_policy", "fcfs", _works("the Rust scheduler: fcfs or priority")),
         ("scheduler_cls", None, _refused("the scheduler is ferrollm's Rust core")),
-        ("async_scheduling", None, _refused(NOT_BUILT_C)),
+        ("async_scheduling", None, _refused("not built yet: each step is scheduled after the previous model run")),
         ("stream_interval", 1, _refused()),
     ]),
     ("CompilationConfig", [

@@ -27,6 +27,7 @@ from ferrollm.exceptions import ConfigError, UnsupportedOptionError
 # The step channel serves up to 112 readers; no machine has that many accelerators.
 MAX_TP_SIZE = 64
 TOKENIZER_MODES = ("auto", "slow")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 
 def _field(arg: EngineArg) -> Any:
@@ -84,6 +85,13 @@ class EngineArgs(_VllmEngineArgs):  # type: ignore[valid-type,misc]
     max_logprobs: int = 20
     logprobs_mode: str = "raw_logprobs"
     logits_processors: list[Any] | None = None
+    # Scheduling and KV cache (vLLM's CacheConfig / SchedulerConfig).
+    num_gpu_blocks_override: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    kv_cache_dtype: str = "auto"
+    enable_chunked_prefill: bool | None = None
+    long_prefill_token_threshold: int = 0
+    scheduling_policy: str = "fcfs"
 
     def __post_init__(self) -> None:
         for arg in ENGINE_ARGS:
@@ -122,6 +130,20 @@ class EngineArgs(_VllmEngineArgs):  # type: ignore[valid-type,misc]
         if self.max_num_seqs < 1:
             raise ConfigError(f"`max_num_seqs` must be >= 1. Given: {self.max_num_seqs}")
         self._validate_logprobs()
+        self._validate_scheduling()
+
+    def _validate_scheduling(self) -> None:
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 2:
+            raise ConfigError("`num_gpu_blocks_override` must be >= 2 (one block is the reserved null block). "
+                              f"Given: {self.num_gpu_blocks_override}")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
+            raise ConfigError(f"`kv_cache_memory_bytes` must be >= 1. Given: {self.kv_cache_memory_bytes}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"`kv_cache_dtype` must be one of {list(KV_CACHE_DTYPES)}. Given: {self.kv_cache_dtype!r}")
+        if self.long_prefill_token_threshold < 0:
+            raise ConfigError(f"`long_prefill_token_threshold` must be >= 0. Given: {self.long_prefill_token_threshold}")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ConfigError(f"`scheduling_policy` must be 'fcfs' or 'priority'. Given: {self.scheduling_policy!r}")
 
     def _validate_logprobs(self) -> None:
         from ferrollm.model_executor.sampler import LOGPROBS_MODES

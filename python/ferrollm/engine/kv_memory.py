@@ -1,6 +1,7 @@
-"""How many KV blocks the cache gets.
+"""How many KV blocks the cache gets, and in which element type.
 
-On the CPU the cache takes `FERROLLM_CPU_KVCACHE_SPACE` GiB (`VLLM_CPU_KVCACHE_SPACE` is accepted
+`num_gpu_blocks_override` (vLLM's) sets the count outright, on the CPU too; `kv_cache_memory_bytes`
+(vLLM's) replaces the memory budget below on either device. Otherwise, on the CPU the cache takes `FERROLLM_CPU_KVCACHE_SPACE` GiB (`VLLM_CPU_KVCACHE_SPACE` is accepted
 as an alias; default 4). On a GPU it takes `gpu_memory_utilization` of the device less the
 weights, the profiled activation peak, the CUDA graphs' pool and memory outside torch
 (worker/gpu_profiler.py). The pool never grows past what `max_num_seqs` sequences of
@@ -12,6 +13,8 @@ length that would and the options that help.
 from __future__ import annotations
 
 import os
+
+import torch
 
 from ferrollm.exceptions import KVCacheTooSmallError
 
@@ -67,3 +70,30 @@ def num_kv_blocks(budget_bytes: int, block_bytes: int, block_size: int, max_mode
         )
     useful = max_num_seqs * needed_one
     return min(usable, useful) + 1
+
+
+def check_block_override(num_blocks: int, block_size: int, max_model_len: int) -> int:
+    """`num_gpu_blocks_override` as the pool's block count (the null block included), once one
+    `max_model_len` sequence is known to fit.
+
+    Raises:
+        KVCacheTooSmallError: it does not.
+    """
+    usable = num_blocks - 1
+    needed = -(-max_model_len // block_size)
+    if usable < needed:
+        raise KVCacheTooSmallError(
+            f"`num_gpu_blocks_override`={num_blocks} leaves {usable} blocks of {block_size} tokens "
+            f"({usable * block_size} tokens, one block is the null block), fewer than one sequence of "
+            f"`max_model_len`={max_model_len} needs ({needed} blocks). Raise it to >= {needed + 1} or lower "
+            f"`max_model_len` to <= {usable * block_size}.")
+    return num_blocks
+
+
+# vLLM's `kv_cache_dtype` names: "fp8" is e4m3, as on vLLM's CUDA and CPU backends.
+_FP8_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+
+
+def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The cache's element type: the model's for "auto", else the fp8 format named."""
+    return model_dtype if kv_cache_dtype == "auto" else _FP8_DTYPES[kv_cache_dtype]

@@ -25,11 +25,13 @@ from ferrollm.config.model_source import resolve_model_source
 from ferrollm.config.vllm import VllmConfig, build_vllm_config
 from ferrollm.engine.arg_utils import EngineArgs
 from ferrollm.engine.startup_report import (
+    KVCacheSummary,
     StartupClock,
     activation_workspace_bytes,
     log_memory,
     model_weight_bytes,
 )
+from ferrollm.engine.kv_memory import kv_cache_torch_dtype
 from ferrollm.engine.stats import StatsTracker
 from ferrollm.model_executor.dummy_weights import check_dummy_source, dummy_weights
 from ferrollm.engine.tokenizer_loader import SKIPPED, Tokenizers, load_tokenizers
@@ -93,6 +95,10 @@ class LLMEngine:
         if args.seed is not None:
             torch.manual_seed(args.seed)
         device = _device(args.device)
+        if args.kv_cache_dtype != "auto" and device.type != "cpu":
+            raise NotImplementedError(
+                f"`kv_cache_dtype={args.kv_cache_dtype!r}` runs on the CPU only: ferrollm's Triton attention "
+                "kernels read and write the model's dtype. Use kv_cache_dtype='auto' on a GPU.")
         clock = StartupClock()
         with clock.phase("importing transformers"):
             # `from ferrollm import LLM` imports torch but not transformers; the first engine pays
@@ -145,7 +151,8 @@ class LLMEngine:
         options = CacheOptions(block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                                max_num_batched_tokens=batched, gpu_memory_utilization=args.gpu_memory_utilization,
                                load_format=args.load_format, use_tqdm_on_load=args.use_tqdm_on_load,
-                               compilation_config=compilation)
+                               compilation_config=compilation, num_gpu_blocks_override=args.num_gpu_blocks_override,
+                               kv_cache_memory_bytes=args.kv_cache_memory_bytes, kv_cache_dtype=args.kv_cache_dtype)
         executor: MultiprocExecutor | ExternalLauncherExecutor | None = None
         if args.tensor_parallel_size > 1:
             check_tp_shapes(mc.hf_config, args.tensor_parallel_size)
@@ -180,7 +187,7 @@ class LLMEngine:
         engine.num_gpu_blocks = num_blocks
         # Rank 0's GPU start-up measurements (None on the CPU), for logs and tests.
         engine.memory_profile = driver.memory_profile
-        _log_memory(args, mc, driver.runner, num_blocks)
+        _log_memory(args, mc, driver.runner, num_blocks, driver.kv_cache_sizing)
         return engine
 
     @property
@@ -342,20 +349,38 @@ def _read_checkpoint(source, progress: bool = False):
     return config, lambda: loader.iterate_safetensors(source.folder, progress=progress)
 
 
+def _chunked_prefill(args: EngineArgs) -> bool:
+    """vLLM's default for a generative model: on."""
+    return True if args.enable_chunked_prefill is None else bool(args.enable_chunked_prefill)
+
+
 def _batched_tokens(args: EngineArgs, max_model_len: int) -> int:
     """`max_num_batched_tokens`, by default 8192 (or `max_num_seqs`), but never more than
     `max_num_seqs` sequences of `max_model_len` can hold: a step's activations grow with its tokens,
-    so lowering either option lowers the peak."""
-    return args.max_num_batched_tokens or min(max(8192, args.max_num_seqs), max_model_len * args.max_num_seqs)
+    so lowering either option lowers the peak. Without chunked prefill the default rises to
+    `max_model_len`, so any prompt fits a step, as in vLLM; a smaller explicit value is refused."""
+    if args.max_num_batched_tokens is None:
+        default = max(8192, args.max_num_seqs)
+        if not _chunked_prefill(args):
+            default = max(default, max_model_len)
+        return min(default, max_model_len * args.max_num_seqs)
+    if not _chunked_prefill(args) and args.max_num_batched_tokens < max_model_len:
+        raise ConfigError(
+            f"max_num_batched_tokens ({args.max_num_batched_tokens}) is smaller than max_model_len "
+            f"({max_model_len}). This effectively limits the maximum sequence length to max_num_batched_tokens "
+            "and makes vLLM reject longer sequences. Please increase max_num_batched_tokens or decrease "
+            "max_model_len (or keep enable_chunked_prefill on).")
+    return args.max_num_batched_tokens
 
 
-def _log_memory(args: EngineArgs, mc: ModelConfig, runner: ModelRunner, num_blocks: int) -> None:
+def _log_memory(args: EngineArgs, mc: ModelConfig, runner: ModelRunner, num_blocks: int, sizing: str) -> None:
     """Rank 0's weights, KV cache and largest step workspace, at INFO."""
     batched = _batched_tokens(args, mc.max_model_len)
     kv_bytes = sum(t.numel() * t.element_size() for t in runner.kv_caches)
     workspace = activation_workspace_bytes(mc.hf_config, mc.dtype, batched, args.max_num_seqs)
-    log_memory(model_weight_bytes(runner.model), kv_bytes, num_blocks, args.block_size, workspace, batched,
-               args.max_num_seqs)
+    kv = KVCacheSummary(kv_bytes, num_blocks, args.block_size, str(runner.kv_caches[0].dtype).removeprefix("torch."),
+                        sizing)
+    log_memory(model_weight_bytes(runner.model), kv, workspace, batched, args.max_num_seqs)
 
 
 def _build_core(args: EngineArgs, mc: ModelConfig, window: int | None, num_blocks: int,
@@ -365,6 +390,8 @@ def _build_core(args: EngineArgs, mc: ModelConfig, window: int | None, num_block
         tokenizer=tokenizers.core, block_size=args.block_size, num_blocks=num_blocks,
         enable_prefix_caching=args.enable_prefix_caching, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=batched, max_model_len=mc.max_model_len, sliding_window=window,
+        enable_chunked_prefill=_chunked_prefill(args), long_prefill_token_threshold=args.long_prefill_token_threshold,
+        scheduling_policy=args.scheduling_policy,
     )
 
 
@@ -381,15 +408,31 @@ def _build_pooling_core(args: EngineArgs, mc: ModelConfig, model, tokenizers: To
         raise ConfigError(
             f"`max_num_batched_tokens` must be >= max_model_len ({mc.max_model_len}) for a pooling model, "
             f"whose prompts are never split across steps. Given: {args.max_num_batched_tokens}")
+    _check_pooling_scheduling(args)
     core_len = mc.max_model_len + 1
     batched = max(args.max_num_batched_tokens or 8192, core_len, args.max_num_seqs)
     num_blocks = 1 + -(-batched // args.block_size) + args.max_num_seqs
     core = EngineCore(
         tokenizer=tokenizers.core, block_size=args.block_size, num_blocks=num_blocks,
         enable_prefix_caching=False, enable_chunked_prefill=False, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=batched, max_model_len=core_len,
+        max_num_batched_tokens=batched, max_model_len=core_len, scheduling_policy=args.scheduling_policy,
     )
     spec = model.kv_cache_spec()
-    kv_caches = [] if spec is None else allocate_kv_cache(spec[0], num_blocks, args.block_size, spec[1], spec[2], mc.dtype, device)
+    kv_dtype = kv_cache_torch_dtype(args.kv_cache_dtype, mc.dtype)
+    kv_caches = [] if spec is None else allocate_kv_cache(spec[0], num_blocks, args.block_size, spec[1], spec[2], kv_dtype, device)
     assert mc.pooler is not None
     return core, PoolingModelRunner(model, kv_caches, args.block_size, device, mc.pooler.pooling_type)
+
+
+def _check_pooling_scheduling(args: EngineArgs) -> None:
+    """A pooling model's prompt is pooled in the step that holds all of it, and its cache holds
+    that one step: options that split prompts or size the cache have nothing to act on."""
+    refused = {"enable_chunked_prefill": (args.enable_chunked_prefill, (None, False)),
+               "long_prefill_token_threshold": (args.long_prefill_token_threshold, (0,)),
+               "num_gpu_blocks_override": (args.num_gpu_blocks_override, (None,)),
+               "kv_cache_memory_bytes": (args.kv_cache_memory_bytes, (None,))}
+    for name, (value, defaults) in refused.items():
+        if value not in defaults:
+            raise NotImplementedError(
+                f"`{name}={value!r}` is not supported for a pooling model (runner='pooling'): each prompt is "
+                "pooled in one step, and its KV cache holds just that step. Leave it at its default.")

@@ -9,6 +9,7 @@ import logging
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -20,7 +21,7 @@ from ferrollm.model_executor.layers.cpu_weights import checkpoint_mappings
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-__all__ = ["StartupClock", "activation_workspace_bytes", "log_memory", "model_weight_bytes"]
+__all__ = ["KVCacheSummary", "StartupClock", "activation_workspace_bytes", "log_memory", "model_weight_bytes"]
 
 logger = logging.getLogger("ferrollm")
 MIB = 1 << 20
@@ -80,11 +81,28 @@ def activation_workspace_bytes(config: PretrainedConfig, dtype: torch.dtype, num
     return num_tokens * per_token + mlp + logits
 
 
-def log_memory(weights: tuple[int, int], kv_bytes: int, num_blocks: int, block_size: int,
-               workspace: int, num_tokens: int, num_seqs: int) -> None:
+@dataclass
+class KVCacheSummary:
+    """Rank 0's KV cache as start-up logs it."""
+
+    bytes: int
+    num_blocks: int
+    block_size: int
+    dtype: str
+    # What set its size: "num_gpu_blocks_override=...", "kv_cache_memory_bytes=...", the CPU
+    # budget's environment variable, or the GPU's `gpu_memory_utilization`.
+    sizing: str
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.bytes // max(1, self.num_blocks * self.block_size)
+
+
+def log_memory(weights: tuple[int, int], kv: KVCacheSummary, workspace: int, num_tokens: int, num_seqs: int) -> None:
     total, mapped = weights
     logger.info(
         "memory: weights %.1f MiB (%.1f MiB of them mapped from the checkpoint file), KV cache %.1f MiB "
-        "(%d blocks of %d tokens), largest activation workspace ~%.1f MiB (max_num_batched_tokens=%d, "
-        "max_num_seqs=%d)", total / MIB, mapped / MIB, kv_bytes / MIB, num_blocks, block_size,
+        "(%d bytes, %d blocks of %d tokens, %s, %d bytes per token; sized by %s), largest activation "
+        "workspace ~%.1f MiB (max_num_batched_tokens=%d, max_num_seqs=%d)", total / MIB, mapped / MIB,
+        kv.bytes / MIB, kv.bytes, kv.num_blocks, kv.block_size, kv.dtype, kv.bytes_per_token, kv.sizing,
         workspace / MIB, num_tokens, num_seqs)

@@ -87,6 +87,19 @@ class LLM(PoolingMixin):
         logits_processors: custom batch-level logits processors, vLLM v1's `LogitsProcessor`
             subclasses or their qualified names ("module:Class" or "module.Class"), built once
             on rank 0 and switched per request through `SamplingParams.extra_args`.
+        num_gpu_blocks_override: the KV cache's block count (the null block included), replacing
+            the memory-based sizing on the CPU too.
+        kv_cache_memory_bytes: the KV cache's bytes, replacing `gpu_memory_utilization`'s sizing
+            on a GPU and FERROLLM_CPU_KVCACHE_SPACE on the CPU.
+        kv_cache_dtype: "auto" (the model's dtype), "fp8"/"fp8_e4m3" or "fp8_e5m2".
+        enable_chunked_prefill: split prompts across steps (default True). False prefills each
+            prompt in one step; `max_num_batched_tokens` then defaults to at least
+            `max_model_len`, and a smaller value is refused.
+        long_prefill_token_threshold: most tokens one request takes per step while others are
+            live (0: no cap).
+        scheduling_policy: "fcfs" or "priority" (lowest `priority` value first, then arrival;
+            the running request with the largest is preempted first).
+        async_scheduling: not built yet; True is refused.
         chat_template: the Jinja template (or a file holding it) `chat` uses by default.
     """
 
@@ -165,7 +178,7 @@ class LLM(PoolingMixin):
         prompts: Any,
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
-        priority: list[int] | None = None,
+        priority: int | Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Generates completions for the prompts, in input order.
 
@@ -174,7 +187,8 @@ class LLM(PoolingMixin):
                 list of these.
             sampling_params: one for all prompts, one per prompt, or None for the defaults.
             use_tqdm: show a progress bar.
-            priority: per-prompt priority (lower runs first) under the priority policy.
+            priority: one value for every prompt or one per prompt; lower runs first under
+                ``scheduling_policy="priority"`` (accepted and unused under "fcfs", as in vLLM).
 
         Returns:
             One `RequestOutput` per prompt.
@@ -190,6 +204,7 @@ class LLM(PoolingMixin):
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
+        priority: int | Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Renders each conversation with the tokenizer's chat template and generates a reply.
 
@@ -200,6 +215,7 @@ class LLM(PoolingMixin):
             add_generation_prompt: end the prompt with the assistant's turn header.
             continue_final_message: continue the last (assistant) message instead.
             chat_template_kwargs: extra variables for the template.
+            priority: as in `generate`, one value or one per conversation.
 
         Returns:
             One `RequestOutput` per conversation.
@@ -218,7 +234,7 @@ class LLM(PoolingMixin):
             for conv in conversations
         ]
         # The template already holds the special tokens (BOS and the like), as in vLLM.
-        return self._generate(prompts, sampling_params, use_tqdm, None, add_special_tokens=False)
+        return self._generate(prompts, sampling_params, use_tqdm, priority, add_special_tokens=False)
 
     def beam_search(self, prompts: Any, params: BeamSearchParams, lora_request: Any = None,
                     use_tqdm: bool = False, concurrency_limit: int | None = None) -> list[BeamSearchOutput]:
@@ -248,8 +264,7 @@ class LLM(PoolingMixin):
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         params = _expand_params(sampling_params, len(items))
-        if priority is not None and len(priority) != len(items):
-            raise InvalidRequestError(f"`priority` must have one entry per prompt ({len(items)}). Given: {len(priority)} entries")
+        priority = _priority_per_prompt(priority, len(items))
         pending, ids, seq_prompts, seq_params, seq_prio = [], [], [], [], []
         for i, ((text, prompt), p) in enumerate(zip(items, params)):
             rid = str(next(self._request_counter))
@@ -258,7 +273,7 @@ class LLM(PoolingMixin):
                 ids.append(rid if p.n == 1 else f"{k}_{rid}")
                 seq_prompts.append(prompt)
                 seq_params.append(child)
-                seq_prio.append(priority[i] if priority else 0)
+                seq_prio.append(priority[i])
         engine.add_requests(ids, seq_prompts, seq_params, add_special_tokens, seq_prio)
         return self._run(engine, pending, use_tqdm)
 
@@ -316,6 +331,18 @@ def _expand_params(sampling_params, n: int) -> list[SamplingParams]:
     if len(params) != n:
         raise InvalidRequestError(f"`sampling_params` must be one per prompt ({n}) or a single one. Given: {len(params)}")
     return params
+
+
+def _priority_per_prompt(priority, n: int) -> list[int]:
+    """vLLM's forms: None (0 for all), one int for all, or one per prompt."""
+    if priority is None:
+        return [0] * n
+    if not isinstance(priority, Sequence):
+        return [int(priority)] * n
+    values = list(priority)
+    if len(values) != n:
+        raise InvalidRequestError(f"The lengths of prompts ({n}) and priority ({len(values)}) must be the same.")
+    return [int(v) for v in values]
 
 
 def _fan_out(p: SamplingParams) -> list[SamplingParams]:

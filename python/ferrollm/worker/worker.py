@@ -22,8 +22,10 @@ from ferrollm.config.model_config import ModelConfig
 from ferrollm.engine.kv_memory import (
     CPU_BUDGET_HINT,
     bytes_per_block,
+    check_block_override,
     cpu_kv_cache_bytes,
     gpu_budget_hint,
+    kv_cache_torch_dtype,
     num_kv_blocks,
 )
 from ferrollm.exceptions import EngineError
@@ -49,6 +51,10 @@ class CacheOptions:
     # Rank 0 shows a progress bar while it reads the weights (vLLM's `use_tqdm_on_load`).
     use_tqdm_on_load: bool = False
     compilation_config: CompilationConfig = field(default_factory=CompilationConfig)
+    # vLLM's overrides of the memory-based sizing: a block count, or the cache's bytes.
+    num_gpu_blocks_override: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    kv_cache_dtype: str = "auto"
 
 
 class Worker:
@@ -73,6 +79,8 @@ class Worker:
         self.runner: ModelRunner | None = None
         # A GPU rank's start-up measurements (worker/gpu_profiler.py).
         self.memory_profile = None
+        # What decided the KV cache's size, for the start-up log.
+        self.kv_cache_sizing = ""
 
     def load_model(self) -> int:
         """Loads this rank's shards; returns how many KV blocks this rank's memory holds."""
@@ -88,22 +96,32 @@ class Worker:
         return model.sliding_window_spec() if hasattr(model, "sliding_window_spec") else None
 
     def num_kv_blocks(self) -> int:
-        """KV blocks that fit in this rank's budget: ``FERROLLM_CPU_KVCACHE_SPACE`` on the CPU; on a
-        GPU, `gpu_memory_utilization` of the device less the weights, the activation peak of a
+        """KV blocks for this rank: `num_gpu_blocks_override` when set (on the CPU too, as a count
+        that replaces any budget, vLLM's test knob for preemption); else those that fit in
+        `kv_cache_memory_bytes` when set; else in ``FERROLLM_CPU_KVCACHE_SPACE`` on the CPU, or on
+        a GPU in `gpu_memory_utilization` of the device less the weights, the activation peak of a
         profiled largest step, the CUDA graphs' pool and memory outside torch (as vLLM does)."""
         opts, mc = self.options, self.model_config
-        num_layers, num_kv_heads, head_dim = self._model().kv_cache_spec()
-        dtype_size = torch.tensor([], dtype=mc.dtype).element_size()
-        block_bytes = bytes_per_block(num_layers, num_kv_heads, head_dim, opts.block_size, dtype_size)
-        if self.device.type == "cpu":
-            budget, hint = cpu_kv_cache_bytes(), CPU_BUDGET_HINT
-        else:
-            budget, hint = self._profile_gpu_budget(), gpu_budget_hint(opts.gpu_memory_utilization)
         # When every layer slides, the core frees blocks behind the window: a sequence then holds
         # at most the window plus one step's chunk, whatever its length.
         window = self.sliding_window()
         batched = opts.max_num_batched_tokens
         seq_tokens = mc.max_model_len if window is None else min(mc.max_model_len, window + batched + 2 * opts.block_size)
+        if opts.num_gpu_blocks_override is not None:
+            self.kv_cache_sizing = f"num_gpu_blocks_override={opts.num_gpu_blocks_override}"
+            return check_block_override(opts.num_gpu_blocks_override, opts.block_size, seq_tokens)
+        num_layers, num_kv_heads, head_dim = self._model().kv_cache_spec()
+        dtype_size = kv_cache_torch_dtype(opts.kv_cache_dtype, mc.dtype).itemsize
+        block_bytes = bytes_per_block(num_layers, num_kv_heads, head_dim, opts.block_size, dtype_size)
+        if opts.kv_cache_memory_bytes is not None:
+            budget, hint = opts.kv_cache_memory_bytes, "raise `kv_cache_memory_bytes`"
+            self.kv_cache_sizing = f"kv_cache_memory_bytes={budget}"
+        elif self.device.type == "cpu":
+            budget, hint = cpu_kv_cache_bytes(), CPU_BUDGET_HINT
+            self.kv_cache_sizing = f"FERROLLM_CPU_KVCACHE_SPACE ({budget / (1 << 30):g} GiB)"
+        else:
+            budget, hint = self._profile_gpu_budget(), gpu_budget_hint(opts.gpu_memory_utilization)
+            self.kv_cache_sizing = f"gpu_memory_utilization={opts.gpu_memory_utilization}"
         return num_kv_blocks(budget, block_bytes, opts.block_size, seq_tokens, opts.max_num_seqs, hint)
 
     def _profile_gpu_budget(self) -> int:
@@ -122,8 +140,9 @@ class Worker:
         """Allocates ``num_blocks`` KV blocks (the ranks' agreed number) and builds the runner."""
         mc, model = self.model_config, self._model()
         num_layers, num_kv_heads, head_dim = model.kv_cache_spec()
+        kv_dtype = kv_cache_torch_dtype(self.options.kv_cache_dtype, mc.dtype)
         kv_caches = allocate_kv_cache(num_layers, num_blocks, self.options.block_size, num_kv_heads, head_dim,
-                                      mc.dtype, self.device)
+                                      kv_dtype, self.device)
         forward, graphs = self._gpu_forward(kv_caches) if self.device.type == "cuda" else (None, None)
         self.runner = ModelRunner(model, kv_caches, self.options.block_size, self.device,
                                   vocab_size=int(mc.hf_config.vocab_size), eos_token_ids=eos_token_ids,

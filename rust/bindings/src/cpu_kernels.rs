@@ -7,7 +7,7 @@
 //! every length against the shape they are given.
 
 use ferrollm_kernels::attention::{paged_decode, DecodeInputs, DecodeOptions, DecodeShape};
-use ferrollm_kernels::cache::{write_kv, CacheWriteShape};
+use ferrollm_kernels::cache::{write_kv, write_kv_quantized, CacheWriteShape, KvScales};
 use ferrollm_kernels::gemm::{
     gemm, gemm_silu_mul, pack_weight_rows, packed_len, vectorized, GemmShape, RowBlock,
 };
@@ -15,7 +15,7 @@ use ferrollm_kernels::gemv::{gemv, GemvShape};
 use ferrollm_kernels::norm::{fused_add_rms_norm, rms_norm, RmsNormWeight};
 use ferrollm_kernels::prefill::{self, paged_prefill, PrefillInputs, PrefillOptions, PrefillShape};
 use ferrollm_kernels::rotary::{rotate_neox, RotaryShape};
-use ferrollm_kernels::{activation, openmp, Bf16, KernelError};
+use ferrollm_kernels::{activation, openmp, Bf16, Fp8E4m3, Fp8E5m2, KernelError};
 use pyo3::prelude::*;
 
 use crate::buffers::{view, view_mut, Buffer};
@@ -167,11 +167,37 @@ fn packed_product(
     py.detach(|| kernel(x, packed, bias, out, shape, threads)).map_err(kernel_error)
 }
 
-/// `out[row, head] = attention(query[row, head], row's first seq_lens[row] cached tokens)`.
+/// Runs `$body` with `$c` bound to the KV cache's element type: `$t` for `None`, else the fp8
+/// format torch's dtype name stands for.
+macro_rules! by_cache_dtype {
+    ($cache_dtype:expr, $t:ident, $c:ident => $body:expr) => {
+        match $cache_dtype {
+            None => {
+                type $c = $t;
+                $body
+            }
+            Some("float8_e4m3fn") => {
+                type $c = Fp8E4m3;
+                $body
+            }
+            Some("float8_e5m2") => {
+                type $c = Fp8E5m2;
+                $body
+            }
+            Some(other) => Err(raise(
+                "KernelError",
+                format!("`cache_dtype` must be None, 'float8_e4m3fn' or 'float8_e5m2'. Given: '{other}'"),
+            )),
+        }
+    };
+}
+
+/// `out[row, head] = attention(query[row, head], row's first seq_lens[row] cached tokens)`; an
+/// fp8 cache (`cache_dtype`) is read as its values times `k_scale` / `v_scale`.
 #[pyfunction]
 #[pyo3(signature = (dtype, query, key_cache, value_cache, block_tables, seq_lens, out, num_heads,
                     num_kv_heads, head_dim, block_size, max_blocks_per_seq, scale, threads,
-                    sliding_window=None, soft_cap=None))]
+                    sliding_window=None, soft_cap=None, cache_dtype=None, k_scale=1.0, v_scale=1.0))]
 #[allow(clippy::too_many_arguments)]
 pub fn cpu_paged_decode(
     py: Python<'_>,
@@ -191,20 +217,24 @@ pub fn cpu_paged_decode(
     threads: usize,
     sliding_window: Option<usize>,
     soft_cap: Option<f32>,
+    cache_dtype: Option<&str>,
+    k_scale: f32,
+    v_scale: f32,
 ) -> PyResult<()> {
     let shape = DecodeShape { num_heads, num_kv_heads, head_dim, block_size, max_blocks_per_seq };
     let options = DecodeOptions { scale, sliding_window, soft_cap };
-    by_dtype!(dtype, T => {
+    let scales = KvScales { key: k_scale, value: v_scale };
+    by_dtype!(dtype, T => by_cache_dtype!(cache_dtype, T, C => {
         // SAFETY: see the module doc; `out` is a fresh tensor.
         let (inputs, out) = unsafe {
-            let inputs = DecodeInputs::<T> {
+            let inputs = DecodeInputs::<T, C> {
                 query: view(query), key_cache: view(key_cache), value_cache: view(value_cache),
-                block_tables: view(block_tables), seq_lens: view(seq_lens),
+                block_tables: view(block_tables), seq_lens: view(seq_lens), scales,
             };
             (inputs, view_mut::<T>(out))
         };
         py.detach(|| paged_decode(inputs, shape, options, out, threads)).map_err(kernel_error)
-    })
+    }))
 }
 
 /// Whether `cpu_paged_prefill` runs on this CPU for this head size.
@@ -355,4 +385,37 @@ pub fn cpu_write_kv(
         };
         py.detach(|| write_kv(key, value, slots, key_cache, value_cache, shape)).map_err(kernel_error)
     })
+}
+
+/// [`cpu_write_kv`] into an fp8 cache (`cache_dtype`): each element stored as `x / k_scale`
+/// (keys) or `x / v_scale` (values), rounded to nearest even and saturated.
+#[pyfunction]
+#[pyo3(signature = (dtype, cache_dtype, key, value, slot_mapping, key_cache, value_cache, tokens, width,
+                    key_stride, value_stride, k_scale, v_scale))]
+#[allow(clippy::too_many_arguments)]
+pub fn cpu_write_kv_quantized(
+    py: Python<'_>,
+    dtype: &str,
+    cache_dtype: &str,
+    key: Buffer,
+    value: Buffer,
+    slot_mapping: Buffer,
+    key_cache: Buffer,
+    value_cache: Buffer,
+    tokens: usize,
+    width: usize,
+    key_stride: usize,
+    value_stride: usize,
+    k_scale: f32,
+    v_scale: f32,
+) -> PyResult<()> {
+    let shape = CacheWriteShape { tokens, width, key_stride, value_stride };
+    let scales = KvScales { key: k_scale, value: v_scale };
+    by_dtype!(dtype, T => by_cache_dtype!(Some(cache_dtype), T, C => {
+        // SAFETY: as in `cpu_write_kv`.
+        let (key, value, slots, key_cache, value_cache) = unsafe {
+            (view::<T>(key), view::<T>(value), view::<i64>(slot_mapping), view_mut::<C>(key_cache), view_mut::<C>(value_cache))
+        };
+        py.detach(|| write_kv_quantized(key, value, slots, key_cache, value_cache, shape, scales)).map_err(kernel_error)
+    }))
 }

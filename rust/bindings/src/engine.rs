@@ -44,7 +44,8 @@ impl PyEngineCore {
     #[pyo3(signature = (
         *, tokenizer=None, block_size=16, num_blocks=1024, enable_prefix_caching=true,
         max_num_seqs=256, max_num_batched_tokens=8192, max_model_len=4096,
-        enable_chunked_prefill=true, scheduling_policy="fcfs", stream_outputs=false, sliding_window=None
+        enable_chunked_prefill=true, long_prefill_token_threshold=0, scheduling_policy="fcfs",
+        stream_outputs=false, sliding_window=None
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -57,6 +58,7 @@ impl PyEngineCore {
         max_num_batched_tokens: usize,
         max_model_len: usize,
         enable_chunked_prefill: bool,
+        long_prefill_token_threshold: usize,
         scheduling_policy: &str,
         stream_outputs: bool,
         sliding_window: Option<usize>,
@@ -68,6 +70,7 @@ impl PyEngineCore {
                 max_num_batched_tokens,
                 max_model_len,
                 enable_chunked_prefill,
+                long_prefill_token_threshold,
                 policy: scheduling_policy.parse().map_err(crate::errors::PyCoreError)?,
             },
             stream_outputs,

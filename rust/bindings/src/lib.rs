@@ -33,6 +33,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cpu_kernels::cpu_gemm_silu_mul, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_kernels::cpu_gemm_vectorized, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_kernels::cpu_write_kv, m)?)?;
+    m.add_function(wrap_pyfunction!(cpu_kernels::cpu_write_kv_quantized, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_kernels::cpu_paged_decode, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_kernels::cpu_paged_prefill_supported, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_kernels::cpu_paged_prefill, m)?)?;

@@ -56,8 +56,12 @@ pub struct SchedulerConfig {
     pub max_num_batched_tokens: usize,
     /// Longest sequence (prompt + output) a request may reach.
     pub max_model_len: usize,
-    /// Split prompts longer than the remaining budget across steps.
+    /// Split prompts longer than the remaining budget across steps. Off, a waiting prompt is
+    /// admitted only when all its remaining tokens fit in the step's budget.
     pub enable_chunked_prefill: bool,
+    /// vLLM's cap on one request's tokens per step (0: none), so a long prompt cannot starve the
+    /// others of the budget. Not applied when a single request is live: nobody would starve.
+    pub long_prefill_token_threshold: usize,
     pub policy: SchedulingPolicy,
 }
 
@@ -68,6 +72,7 @@ impl Default for SchedulerConfig {
             max_num_batched_tokens: 8192,
             max_model_len: 4096,
             enable_chunked_prefill: true,
+            long_prefill_token_threshold: 0,
             policy: SchedulingPolicy::Fcfs,
         }
     }
@@ -116,6 +121,13 @@ impl EngineConfig {
                 "max_num_batched_tokens",
                 format!(">= max_model_len ({}) when chunked prefill is disabled", s.max_model_len),
                 s.max_num_batched_tokens,
+            ));
+        }
+        if s.long_prefill_token_threshold > s.max_model_len {
+            return Err(CoreError::config(
+                "long_prefill_token_threshold",
+                format!("<= max_model_len ({})", s.max_model_len),
+                s.long_prefill_token_threshold,
             ));
         }
         if c.sliding_window == Some(0) {
@@ -167,6 +179,14 @@ mod tests {
         cfg.scheduler.max_num_batched_tokens = 1024;
         let err = cfg.validate().unwrap_err().to_string();
         assert!(err.contains("max_num_batched_tokens"), "{err}");
+    }
+
+    #[test]
+    fn long_prefill_threshold_above_max_model_len_is_refused() {
+        let mut cfg = EngineConfig::default();
+        cfg.scheduler.long_prefill_token_threshold = 4097;
+        let err = cfg.validate().unwrap_err().to_string();
+        assert!(err.contains("long_prefill_token_threshold") && err.contains("4097"), "{err}");
     }
 
     #[test]

@@ -3,7 +3,7 @@
 mod common;
 
 use common::*;
-use ferrollm_core::engine::EngineCore;
+use ferrollm_core::engine::{EngineCore, ModelRunner};
 use ferrollm_core::{EngineRequest, FinishReason, SamplingOptions, SchedulingPolicy, StopReason};
 
 #[test]
@@ -138,6 +138,52 @@ fn priority_policy_admits_lowest_value_first() {
     let outs = run_to_completion(&mut core, &mut EchoRunner::default());
     let order: Vec<_> = outs.iter().map(|o| o.request_id.as_str()).collect();
     assert_eq!(order, vec!["high", "mid", "low"]);
+}
+
+#[test]
+fn priority_policy_preempts_the_lowest_priority_running_request() {
+    // 6 usable blocks of 4 tokens: two 8-token prompts growing to 22 tokens cannot both fit.
+    let mut cfg = config(4, 7, 2, 64, 24);
+    cfg.scheduler.policy = SchedulingPolicy::Priority;
+    let mut core = EngineCore::new(cfg, None).unwrap();
+    // `urgent` arrives last but has the smaller value: it is the one kept running.
+    core.add_request(EngineRequest { priority: 1, ..request("background", prompt(1, 8), 14) }).unwrap();
+    core.add_request(EngineRequest { priority: 0, ..request("urgent", prompt(2, 8), 14) }).unwrap();
+    let mut runner = EchoRunner::default();
+    let mut preempted = Vec::new();
+    let mut outs = Vec::new();
+    while core.has_unfinished_requests() {
+        let step = core.schedule();
+        preempted.extend(
+            step.preempted_req_indices
+                .iter()
+                .map(|&i| core.scheduler().request(i as usize).unwrap().request_id.clone()),
+        );
+        let sampled = runner.execute_model(&step).unwrap();
+        outs.extend(core.update(&sampled).unwrap());
+    }
+    assert!(!preempted.is_empty() && preempted.iter().all(|id| id == "background"), "{preempted:?}");
+    assert_eq!(outs[0].request_id, "urgent");
+    assert_eq!(outs[1].token_ids, reference_tokens(&prompt(1, 8), 14));
+}
+
+#[test]
+fn long_prefill_threshold_caps_each_requests_chunk() {
+    let mut cfg = config(16, 64, 4, 64, 256);
+    cfg.scheduler.long_prefill_token_threshold = 12;
+    let mut core = EngineCore::new(cfg, None).unwrap();
+    core.add_request(request("a", prompt(1, 40), 4)).unwrap();
+    core.add_request(request("b", prompt(2, 5), 4)).unwrap();
+    assert_eq!(core.schedule().num_scheduled_tokens, vec![12, 5]);
+}
+
+#[test]
+fn long_prefill_threshold_spares_a_lone_request() {
+    let mut cfg = config(16, 64, 4, 64, 256);
+    cfg.scheduler.long_prefill_token_threshold = 12;
+    let mut core = EngineCore::new(cfg, None).unwrap();
+    core.add_request(request("a", prompt(1, 40), 4)).unwrap();
+    assert_eq!(core.schedule().num_scheduled_tokens, vec![40]);
 }
 
 #[test]

@@ -7,18 +7,25 @@
 //! query heads sharing a KV head (grouped-query attention) are done together, so each key and
 //! value row is read once for the whole group. On x86, for head sizes that are a multiple of 16,
 //! the intrinsics kernels do the work: AVX-512 (module `avx512`) where the CPU has it, else AVX2
-//! (module `avx2`); otherwise the portable one here.
+//! (module `avx2`); otherwise the portable one (module `portable`).
+//!
+//! The cache's element type may differ from the query's and output's (an fp8 cache under a
+//! bf16 or f32 model): keys and values are widened to f32 as they are read, the key scale is
+//! folded into the query and the value scale into the softmax's normalisation, so a quantized
+//! cache costs no extra pass.
 
-use crate::element::Element;
+pub use crate::cache::KvScales;
 use crate::error::{check_len, KernelError};
 use crate::openmp::for_each_weighted_share;
 use crate::paged;
-use crate::simd::{axpy, exp, load, multiversion, prefetch, SimdElement};
+use crate::simd::{exp, load, SimdElement};
+use portable::attend_portable;
 
 #[cfg(target_arch = "x86_64")]
 mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
+mod portable;
 
 /// Sizes of a paged decode step.
 #[derive(Clone, Copy, Debug)]
@@ -43,15 +50,17 @@ pub struct DecodeOptions {
     pub soft_cap: Option<f32>,
 }
 
-/// One step's decode inputs.
+/// One step's decode inputs: a query of `T` over a cache of `C` (`T` itself, or fp8).
 #[derive(Clone, Copy)]
-pub struct DecodeInputs<'a, T> {
+pub struct DecodeInputs<'a, T, C = T> {
     /// `[rows, num_heads, head_dim]`.
     pub query: &'a [T],
     /// `[num_blocks, block_size, num_kv_heads, head_dim]`.
-    pub key_cache: &'a [T],
+    pub key_cache: &'a [C],
     /// Same layout as `key_cache`.
-    pub value_cache: &'a [T],
+    pub value_cache: &'a [C],
+    /// What the cache's keys and values are multiplied by when read (1.0 unless quantized).
+    pub scales: KvScales,
     /// `[rows, max_blocks_per_seq]` block ids.
     pub block_tables: &'a [i32],
     /// `[rows]` context length including the query token.
@@ -67,8 +76,8 @@ const MIN_ROWS_PER_THREAD: usize = 1;
 /// take whole requests, all KV heads of one together: a token's keys for every head sit side by
 /// side, so a request's blocks are read front to back. Shares are of equal context length
 /// rather than of equal request count, since a step's contexts can differ tenfold.
-pub fn paged_decode<T: SimdElement>(
-    inputs: DecodeInputs<'_, T>,
+pub fn paged_decode<T: SimdElement, C: SimdElement>(
+    inputs: DecodeInputs<'_, T, C>,
     shape: DecodeShape,
     options: DecodeOptions,
     out: &mut [T],
@@ -93,12 +102,14 @@ fn visible(seq_len: usize, options: &DecodeOptions) -> std::ops::Range<usize> {
 
 /// One request's work: its query heads, scaled, and where each visible context token's keys
 /// (and values) start in the caches.
-struct Unit<'a, T> {
-    /// `[num_heads, head_dim]` f32, already multiplied by the scale; the `group` heads sharing
-    /// KV head `h` are `h * group .. (h + 1) * group`.
+struct Unit<'a, C> {
+    /// `[num_heads, head_dim]` f32, already multiplied by the scale and the key scale; the
+    /// `group` heads sharing KV head `h` are `h * group .. (h + 1) * group`.
     query: Vec<f32>,
-    key_cache: &'a [T],
-    value_cache: &'a [T],
+    key_cache: &'a [C],
+    value_cache: &'a [C],
+    /// Multiplies each output: the cache's value scale.
+    value_scale: f32,
     /// Element offset of each visible token's slot: its `kv_heads x head_dim` keys, in order.
     slots: Vec<usize>,
     kv_heads: usize,
@@ -106,8 +117,13 @@ struct Unit<'a, T> {
     dim: usize,
 }
 
-impl<'a, T: SimdElement> Unit<'a, T> {
-    fn new(inputs: &DecodeInputs<'a, T>, shape: &DecodeShape, options: &DecodeOptions, row: usize) -> Self {
+impl<'a, C: SimdElement> Unit<'a, C> {
+    fn new<T: SimdElement>(
+        inputs: &DecodeInputs<'a, T, C>,
+        shape: &DecodeShape,
+        options: &DecodeOptions,
+        row: usize,
+    ) -> Self {
         let (dim, kv_heads) = (shape.head_dim, shape.num_kv_heads);
         let table = &inputs.block_tables[row * shape.max_blocks_per_seq..];
         let slots = visible(inputs.seq_lens[row] as usize, options)
@@ -116,14 +132,16 @@ impl<'a, T: SimdElement> Unit<'a, T> {
         let row_len = shape.num_heads * dim;
         let mut query = vec![0.0f32; row_len];
         load(&inputs.query[row * row_len..][..row_len], &mut query);
+        let scale = options.scale * inputs.scales.key;
         for q in query.iter_mut() {
-            *q *= options.scale;
+            *q *= scale;
         }
         let group = shape.num_heads / kv_heads;
         Unit {
             query,
             key_cache: inputs.key_cache,
             value_cache: inputs.value_cache,
+            value_scale: inputs.scales.value,
             slots,
             kv_heads,
             group,
@@ -134,7 +152,7 @@ impl<'a, T: SimdElement> Unit<'a, T> {
 
 /// One unit through the AVX-512 kernel, else the AVX2 one, where the CPU and head size allow,
 /// else the portable one.
-fn attend<T: SimdElement>(unit: &Unit<'_, T>, soft_cap: Option<f32>, out: &mut [T]) {
+fn attend<T: SimdElement, C: SimdElement>(unit: &Unit<'_, C>, soft_cap: Option<f32>, out: &mut [T]) {
     #[cfg(target_arch = "x86_64")]
     if avx512::supports(unit.dim) {
         // SAFETY: the CPU has AVX-512F, the head size is supported, and `Unit::new` took its
@@ -150,14 +168,23 @@ fn attend<T: SimdElement>(unit: &Unit<'_, T>, soft_cap: Option<f32>, out: &mut [
     attend_portable(unit, soft_cap, out);
 }
 
-fn validate<T>(
-    inputs: &DecodeInputs<'_, T>,
+fn validate<T, C>(
+    inputs: &DecodeInputs<'_, T, C>,
     s: &DecodeShape,
     options: &DecodeOptions,
     out_len: usize,
 ) -> Result<(), KernelError> {
     if s.head_dim == 0 {
         return Err(KernelError::Value { name: "head_dim", limit: "> 0".into(), value: 0 });
+    }
+    for (name, scale) in [("k_scale", inputs.scales.key), ("v_scale", inputs.scales.value)] {
+        if !(scale.is_finite() && scale > 0.0) {
+            return Err(KernelError::Value {
+                name,
+                limit: "a finite number > 0".into(),
+                value: scale as i64,
+            });
+        }
     }
     paged::check_heads(s.num_heads, s.num_kv_heads, s.block_size, options.sliding_window)?;
     let rows = inputs.seq_lens.len();
@@ -182,87 +209,9 @@ fn validate<T>(
     Ok(())
 }
 
-multiversion!(fn attend_portable<T>(unit: &Unit<'_, T>, soft_cap: Option<f32>, out: &mut [T]) => attend_portable_body);
-
-/// Tokens per score tile: two AVX2 registers of f32 scores.
+/// Tokens per score tile of the portable kernel, and lanes of the shared softmax's max and sum:
+/// two AVX2 registers of f32.
 const TILE: usize = 16;
-/// Value rows requested ahead of the one being summed.
-const PREFETCH_AHEAD: usize = 8;
-
-/// Two passes over one (request, KV head) context: scores for every group head, then the
-/// softmax-weighted sum of values. Scores are kept whole (`group x context` floats) rather than
-/// rescaled online, which keeps the inner loops plain.
-///
-/// Keys are taken `TILE` tokens at a time and transposed into `[head_dim, TILE]` f32, so a score
-/// tile is `head_dim` multiply-adds with the tokens in the vector lanes; a dot product per token
-/// would end in a horizontal sum costing more than its multiply-adds at `head_dim = 64`. This is
-/// the kernel for head sizes and CPUs the AVX2 one (`avx2`) does not take.
-#[inline(always)]
-fn attend_portable_body<T: Element>(unit: &Unit<'_, T>, soft_cap: Option<f32>, out: &mut [T]) {
-    let head_len = unit.group * unit.dim;
-    for (kv_head, out) in out.chunks_exact_mut(head_len).enumerate() {
-        attend_portable_head(unit, kv_head, soft_cap, out);
-    }
-}
-
-/// The portable kernel for the query heads sharing KV head `kv_head`.
-#[inline(always)]
-fn attend_portable_head<T: Element>(
-    unit: &Unit<'_, T>,
-    kv_head: usize,
-    soft_cap: Option<f32>,
-    out: &mut [T],
-) {
-    let (dim, group, n) = (unit.dim, unit.group, unit.slots.len());
-    let query = &unit.query[kv_head * group * dim..][..group * dim];
-    // Scores padded to whole tiles; the padding is never read back.
-    let padded = n.div_ceil(TILE) * TILE;
-    let mut scores = vec![0.0f32; group * padded];
-    let mut keys_t = vec![0.0f32; dim * TILE];
-    let key_row = |t: usize| &unit.key_cache[unit.slots[t] + kv_head * dim..][..dim];
-    let value_row = |t: usize| &unit.value_cache[unit.slots[t] + kv_head * dim..][..dim];
-    for t in 0..TILE.min(n) {
-        prefetch(key_row(t));
-    }
-    for tile_start in (0..n).step_by(TILE) {
-        let len = TILE.min(n - tile_start);
-        for t in (tile_start + TILE..n).take(TILE) {
-            prefetch(key_row(t));
-        }
-        for j in 0..len {
-            let key = key_row(tile_start + j);
-            for (d, k) in key.iter().enumerate() {
-                keys_t[d * TILE + j] = k.to_f32();
-            }
-        }
-        for g in 0..group {
-            let tile = score_tile(&query[g * dim..][..dim], &keys_t);
-            scores[g * padded + tile_start..][..TILE].copy_from_slice(&tile);
-        }
-    }
-    let totals: Vec<f32> =
-        (0..group).map(|g| softmax_numerators(&mut scores[g * padded..][..n], soft_cap)).collect();
-    let mut acc = vec![0.0f32; group * dim];
-    let mut value = vec![0.0f32; dim];
-    for t in 0..PREFETCH_AHEAD.min(n) {
-        prefetch(value_row(t));
-    }
-    for i in 0..n {
-        if i + PREFETCH_AHEAD < n {
-            prefetch(value_row(i + PREFETCH_AHEAD));
-        }
-        load(value_row(i), &mut value);
-        for g in 0..group {
-            axpy(&mut acc[g * dim..][..dim], scores[g * padded + i], &value);
-        }
-    }
-    for g in 0..group {
-        let inv = 1.0 / totals[g];
-        for (o, a) in out[g * dim..][..dim].iter_mut().zip(&acc[g * dim..][..dim]) {
-            *o = T::from_f32(a * inv);
-        }
-    }
-}
 
 /// Soft-caps the scores if asked, replaces each by `exp(score - max)` and returns their sum: the
 /// softmax of every kernel, short of the division. Inlined into each, so it is compiled with
@@ -298,40 +247,14 @@ fn softmax_numerators(scores: &mut [f32], soft_cap: Option<f32>) -> f32 {
     sums.iter().sum::<f32>() + tail
 }
 
-/// `q . k_j` for the `TILE` keys of `keys_t` (`[head_dim, TILE]`). Four partial tiles, so four
-/// multiply-add chains are in flight instead of one waiting on the previous add's latency.
-#[inline(always)]
-fn score_tile(query: &[f32], keys_t: &[f32]) -> [f32; TILE] {
-    let (mut a0, mut a1, mut a2, mut a3) = ([0.0f32; TILE], [0.0f32; TILE], [0.0f32; TILE], [0.0f32; TILE]);
-    let body = query.len() / 4 * 4;
-    for (q, c) in query[..body].chunks_exact(4).zip(keys_t.chunks_exact(4 * TILE)) {
-        let (c0, rest) = c.split_at(TILE);
-        let (c1, rest) = rest.split_at(TILE);
-        let (c2, c3) = rest.split_at(TILE);
-        for j in 0..TILE {
-            a0[j] += q[0] * c0[j];
-            a1[j] += q[1] * c1[j];
-            a2[j] += q[2] * c2[j];
-            a3[j] += q[3] * c3[j];
-        }
-    }
-    for (q, c) in query[body..].iter().zip(keys_t[body * TILE..].chunks_exact(TILE)) {
-        for j in 0..TILE {
-            a0[j] += q * c[j];
-        }
-    }
-    for j in 0..TILE {
-        a0[j] = (a0[j] + a1[j]) + (a2[j] + a3[j]);
-    }
-    a0
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::element::Element;
     use crate::test_support::{assert_near, reference_attention, values};
 
     /// A decode step over shuffled blocks of 16 tokens, with its f64 reference.
+    #[derive(Clone)]
     struct Case {
         shape: DecodeShape,
         query: Vec<f32>,
@@ -367,6 +290,7 @@ mod tests {
                 value_cache: &self.values,
                 block_tables: &self.tables,
                 seq_lens: &self.lens,
+                scales: KvScales { key: 1.0, value: 1.0 },
             }
         }
 
@@ -453,6 +377,79 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// `xs / scale` in `C`, and what a reader gets back (`C` times the scale) in f32.
+    fn quantized<C: Element>(xs: &[f32], scale: f32) -> (Vec<C>, Vec<f32>) {
+        let q: Vec<C> = xs.iter().map(|&x| C::from_f32(x / scale)).collect();
+        let back = q.iter().map(|c| c.to_f32() * scale).collect();
+        (q, back)
+    }
+
+    /// A quantized cache through each kernel this CPU runs, against the f64 reference over the
+    /// values the cache holds (the format's rounding is the cache's, not the kernel's, error).
+    fn check_quantized_cache<C: SimdElement>(case: Case, scales: KvScales) {
+        let (keys, key_values) = quantized::<C>(&case.keys, scales.key);
+        let (values, value_values) = quantized::<C>(&case.values, scales.value);
+        let inputs = DecodeInputs {
+            query: &case.query,
+            key_cache: &keys,
+            value_cache: &values,
+            block_tables: &case.tables,
+            seq_lens: &case.lens,
+            scales,
+        };
+        let (shape, dim) = (case.shape, case.shape.head_dim);
+        for opts in [options(dim, None, None), options(dim, Some(24), Some(2.0))] {
+            let want = Case { keys: key_values.clone(), values: value_values.clone(), ..case.clone() }
+                .reference(&opts);
+            let row_len = shape.num_heads * dim;
+            let run = |kernel: &dyn Fn(&Unit<'_, C>, &mut [f32])| {
+                let mut out = vec![0.0f32; want.len()];
+                for (row, out) in out.chunks_exact_mut(row_len).enumerate() {
+                    kernel(&Unit::new(&inputs, &shape, &opts, row), out);
+                }
+                out
+            };
+            assert_near(&run(&|u, o| attend_portable(u, opts.soft_cap, o)), &want, "portable");
+            #[cfg(target_arch = "x86_64")]
+            {
+                if crate::simd::has_avx2_fma() && avx2::supports(dim) {
+                    // SAFETY: checked just above; the units come from consistent inputs.
+                    assert_near(&run(&|u, o| unsafe { avx2::attend(u, opts.soft_cap, o) }), &want, "avx2");
+                }
+                if avx512::supports(dim) {
+                    // SAFETY: as above.
+                    assert_near(
+                        &run(&|u, o| unsafe { avx512::attend(u, opts.soft_cap, o) }),
+                        &want,
+                        "avx512",
+                    );
+                }
+            }
+            let mut out = vec![0.0f32; want.len()];
+            paged_decode(inputs, shape, opts, &mut out, 2).unwrap();
+            assert_near(&out, &want, "paged_decode");
+        }
+    }
+
+    #[test]
+    fn fp8_caches_with_scales_match_the_reference_through_every_kernel() {
+        use crate::element::{Fp8E4m3, Fp8E5m2};
+        let scales = KvScales { key: 0.05, value: 0.02 };
+        for (heads, kv_heads, dim) in [(14, 2, 64), (4, 2, 40), (8, 1, 16)] {
+            check_quantized_cache::<Fp8E4m3>(Case::new(heads, kv_heads, dim, &[1, 17, 70]), scales);
+            check_quantized_cache::<Fp8E5m2>(Case::new(heads, kv_heads, dim, &[1, 17, 70]), scales);
+        }
+    }
+
+    #[test]
+    fn a_nonpositive_cache_scale_is_refused() {
+        let case = Case::new(4, 2, 16, &[3]);
+        let inputs = DecodeInputs { scales: KvScales { key: 1.0, value: 0.0 }, ..case.inputs() };
+        let mut out = vec![0.0; case.query.len()];
+        let err = paged_decode(inputs, case.shape, options(16, None, None), &mut out, 1).unwrap_err();
+        assert!(matches!(err, KernelError::Value { name: "v_scale", .. }), "{err:?}");
     }
 
     #[test]

@@ -5,8 +5,20 @@
 //! a wider tensor (the value part of a fused qkv output), hence the row strides. A decode step
 //! writes a few hundred bytes per layer, so this runs on the calling thread: the torch path it
 //! replaces spent its time in two `index_copy_` dispatches, not in copying.
+//!
+//! An fp8 cache ([`write_kv_quantized`]) stores `x / scale` rounded to the format (saturating),
+//! with one scale for all keys and one for all values (vLLM's per-tensor `k_scale`, `v_scale`);
+//! readers multiply back.
 
+use crate::element::Element;
 use crate::error::{check_len, KernelError};
+
+/// The per-tensor scales of a quantized cache: stored value = `x / scale`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct KvScales {
+    pub key: f32,
+    pub value: f32,
+}
 
 /// The step's rows and the cache's slots.
 #[derive(Clone, Copy, Debug)]
@@ -32,22 +44,81 @@ pub fn write_kv<T: Copy>(
     value_cache: &mut [T],
     shape: CacheWriteShape,
 ) -> Result<(), KernelError> {
+    if !check_write(key.len(), value.len(), slot_mapping, key_cache.len(), value_cache.len(), shape)? {
+        return Ok(());
+    }
+    let CacheWriteShape { width, key_stride, value_stride, .. } = shape;
+    for (i, &slot) in slot_mapping.iter().enumerate() {
+        let dst = slot as usize * width..(slot as usize + 1) * width;
+        key_cache[dst.clone()].copy_from_slice(&key[i * key_stride..][..width]);
+        value_cache[dst].copy_from_slice(&value[i * value_stride..][..width]);
+    }
+    Ok(())
+}
+
+/// [`write_kv`] into a cache of another element type (fp8): each element becomes
+/// `C::from_f32(x / scale)`, keys with `scales.key`, values with `scales.value`.
+pub fn write_kv_quantized<T: Element, C: Element>(
+    key: &[T],
+    value: &[T],
+    slot_mapping: &[i64],
+    key_cache: &mut [C],
+    value_cache: &mut [C],
+    shape: CacheWriteShape,
+    scales: KvScales,
+) -> Result<(), KernelError> {
+    for (name, scale) in [("k_scale", scales.key), ("v_scale", scales.value)] {
+        if !(scale.is_finite() && scale > 0.0) {
+            return Err(KernelError::Value {
+                name,
+                limit: "a finite number > 0".into(),
+                value: scale as i64,
+            });
+        }
+    }
+    if !check_write(key.len(), value.len(), slot_mapping, key_cache.len(), value_cache.len(), shape)? {
+        return Ok(());
+    }
+    let CacheWriteShape { width, key_stride, value_stride, .. } = shape;
+    let put = |dst: &mut [C], src: &[T], scale: f32| {
+        for (d, s) in dst.iter_mut().zip(src) {
+            *d = C::from_f32(s.to_f32() / scale);
+        }
+    };
+    for (i, &slot) in slot_mapping.iter().enumerate() {
+        let dst = slot as usize * width..(slot as usize + 1) * width;
+        put(&mut key_cache[dst.clone()], &key[i * key_stride..][..width], scales.key);
+        put(&mut value_cache[dst], &value[i * value_stride..][..width], scales.value);
+    }
+    Ok(())
+}
+
+/// Checks a write's buffers and slots (buffer lengths in elements); returns whether there is
+/// anything to write.
+fn check_write(
+    key_len: usize,
+    value_len: usize,
+    slot_mapping: &[i64],
+    key_cache_len: usize,
+    value_cache_len: usize,
+    shape: CacheWriteShape,
+) -> Result<bool, KernelError> {
     let CacheWriteShape { tokens, width, key_stride, value_stride } = shape;
     check_len("slot_mapping", slot_mapping.len(), tokens)?;
     if tokens == 0 {
-        return Ok(());
+        return Ok(false);
     }
-    check_rows("key", key.len(), tokens, width, key_stride)?;
-    check_rows("value", value.len(), tokens, width, value_stride)?;
-    if width == 0 || !key_cache.len().is_multiple_of(width) {
+    check_rows("key", key_len, tokens, width, key_stride)?;
+    check_rows("value", value_len, tokens, width, value_stride)?;
+    if width == 0 || !key_cache_len.is_multiple_of(width) {
         return Err(KernelError::Value {
             name: "width",
-            limit: format!("a positive divisor of the cache's {} elements", key_cache.len()),
+            limit: format!("a positive divisor of the cache's {key_cache_len} elements"),
             value: width as i64,
         });
     }
-    check_len("value_cache", value_cache.len(), key_cache.len())?;
-    let slots = key_cache.len() / width;
+    check_len("value_cache", value_cache_len, key_cache_len)?;
+    let slots = key_cache_len / width;
     if let Some(&bad) = slot_mapping.iter().find(|&&s| s < 0 || s as usize >= slots) {
         return Err(KernelError::Value {
             name: "slot_mapping",
@@ -55,12 +126,7 @@ pub fn write_kv<T: Copy>(
             value: bad,
         });
     }
-    for (i, &slot) in slot_mapping.iter().enumerate() {
-        let dst = slot as usize * width..(slot as usize + 1) * width;
-        key_cache[dst.clone()].copy_from_slice(&key[i * key_stride..][..width]);
-        value_cache[dst].copy_from_slice(&value[i * value_stride..][..width]);
-    }
-    Ok(())
+    Ok(true)
 }
 
 /// `rows` rows of `width` elements, `stride` apart, fit in `len` (the last row may end early).
@@ -109,6 +175,32 @@ mod tests {
             );
         }
         assert!(kc.iter().chain(&vc).all(|&v| v == 0.0));
+    }
+
+    #[test]
+    fn quantized_write_stores_each_element_over_its_scale() {
+        use crate::element::Fp8E4m3;
+        let key: Vec<f32> = (0..8).map(|v| v as f32).collect();
+        let value: Vec<f32> = (10..16).map(|v| v as f32 * 100.0).collect();
+        let (mut kc, mut vc) = (vec![Fp8E4m3(0); 12], vec![Fp8E4m3(0); 12]);
+        let scales = KvScales { key: 0.5, value: 4.0 };
+        write_kv_quantized(&key, &value, &[3, 1], &mut kc, &mut vc, SHAPE, scales).unwrap();
+        let k: Vec<f32> = kc.iter().map(|c| c.to_f32()).collect();
+        let v: Vec<f32> = vc.iter().map(|c| c.to_f32()).collect();
+        assert_eq!(k, [0., 0., 0., 10., 12., 14., 0., 0., 0., 0., 2., 4.]);
+        // 1300 / 4 = 325 lies between e4m3's 320 and 352; 1500 / 4 = 375 rounds to 384; 1000 / 4 = 250 to 256.
+        assert_eq!(&v[3..6], [320., 352., 384.]);
+        assert_eq!(&v[9..12], [256., 288., 288.]);
+        let err = write_kv_quantized(
+            &key,
+            &value,
+            &[3, 1],
+            &mut kc,
+            &mut vc,
+            SHAPE,
+            KvScales { key: 0.0, value: 1.0 },
+        );
+        assert!(matches!(err, Err(KernelError::Value { name: "k_scale", .. })));
     }
 
     #[test]

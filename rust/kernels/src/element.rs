@@ -1,3 +1,7 @@
+mod fp8;
+
+pub use fp8::{Fp8E4m3, Fp8E5m2};
+
 /// A tensor element the kernels read and write; arithmetic happens in `f32`.
 pub trait Element: Copy + Send + Sync + 'static {
     fn to_f32(self) -> f32;

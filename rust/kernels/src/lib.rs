@@ -45,6 +45,6 @@ mod simd;
 #[cfg(test)]
 mod test_support;
 
-pub use element::{Bf16, Element};
+pub use element::{Bf16, Element, Fp8E4m3, Fp8E5m2};
 pub use error::KernelError;
 pub use simd::SimdElement;

@@ -65,6 +65,9 @@ mod x86 {
     /// An element type that loads eight at a time into f32 lanes. Public but unnameable outside
     /// the crate (`simd` is private): it seals `gemv::Weight` to the types implemented here.
     pub trait Lanes: Element {
+        /// Whether a load does more than widen (fp8's shifts and multiply): kernels that read
+        /// the same row once per query head then widen it once into f32 and read that instead.
+        const WIDENS: bool = false;
         /// # Safety
         /// `ptr` must address eight readable elements, and the CPU must have AVX2.
         unsafe fn load8(ptr: *const Self) -> __m256;
@@ -139,6 +142,32 @@ macro_rules! multiversion {
                 }
             }
             $body::<$t>($($arg),*)
+        }
+    };
+    // Two element types: the first is the output's, the second the one read (an fp8 cache).
+    ($vis:vis fn $name:ident<$t:ident, $c:ident>($($arg:ident: $ty:ty),* $(,)?) => $body:ident) => {
+        #[inline]
+        $vis fn $name<$t: Element, $c: Element>($($arg: $ty),*) {
+            #[cfg(target_arch = "x86_64")]
+            {
+                #[target_feature(enable = "avx512f,avx2,fma")]
+                unsafe fn widest<$t: Element, $c: Element>($($arg: $ty),*) {
+                    $body::<$t, $c>($($arg),*)
+                }
+                #[target_feature(enable = "avx2,fma")]
+                unsafe fn wide<$t: Element, $c: Element>($($arg: $ty),*) {
+                    $body::<$t, $c>($($arg),*)
+                }
+                if crate::simd::has_avx512f() {
+                    // SAFETY: the CPU has every feature `widest` was compiled for.
+                    return unsafe { widest::<$t, $c>($($arg),*) };
+                }
+                if crate::simd::has_avx2_fma() {
+                    // SAFETY: the CPU has every feature `wide` was compiled for.
+                    return unsafe { wide::<$t, $c>($($arg),*) };
+                }
+            }
+            $body::<$t, $c>($($arg),*)
         }
     };
 }

@@ -41,6 +41,8 @@ __all__ = ["GEMV_MAX_ROWS", "fused_add_rms_norm", "gemm", "gemm_pack", "gemm_pac
 GEMV_MAX_ROWS = 2
 
 _NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
+# KV cache formats the attention kernels read and write besides the model's dtype.
+_FP8_NAMES = {torch.float8_e4m3fn: "float8_e4m3fn", torch.float8_e5m2: "float8_e5m2"}
 # Runtimes that export the GNU OpenMP entry points: GCC's libgomp (torch's Linux wheels bundle
 # one as libgomp-<hash>.so.1) and LLVM's libomp / Intel's libiomp5.
 _OPENMP_LIBRARY = re.compile(r"/lib(gomp|omp|iomp5)([-.][^/]*)?\.so(\.[0-9]+)*$")
@@ -104,14 +106,17 @@ def gemm_supported(weight: torch.Tensor) -> bool:
 
 def paged_decode_supported(query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
     """Whether :func:`paged_decode` takes these: it reads the cache in place, so the cache must be
-    the whole contiguous allocation, and tensors :func:`supports` takes."""
+    the whole contiguous allocation, and tensors :func:`supports` takes (or an fp8 CPU cache)."""
+    if kv_cache.dtype in _FP8_NAMES:
+        return kv_cache.is_contiguous() and kv_cache.is_cpu and supports(query)
     return kv_cache.is_contiguous() and supports(query, kv_cache)
 
 
 def paged_prefill_supported(query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
     """Whether :func:`paged_prefill` takes these: as :func:`paged_decode_supported`, on a CPU with
-    AVX-512 and a head size that is a multiple of 64."""
-    return paged_decode_supported(query, kv_cache) and _core.cpu_paged_prefill_supported(query.shape[-1])
+    AVX-512 and a head size that is a multiple of 64; not an fp8 cache."""
+    return (kv_cache.dtype not in _FP8_NAMES and paged_decode_supported(query, kv_cache)
+            and _core.cpu_paged_prefill_supported(query.shape[-1]))
 
 
 def _buf(t: torch.Tensor) -> tuple[int, int]:
@@ -269,23 +274,30 @@ def write_kv_supported(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.T
                        slot_mapping: torch.Tensor) -> bool:
     """Whether :func:`write_kv` takes these: keys and values ``[tokens, kv_heads, head_dim]`` whose
     rows may be strided but whose heads are contiguous, of the cache's dtype; the whole contiguous
-    cache; int64 slots."""
+    cache (or an fp8 CPU cache); int64 slots."""
+    fp8 = kv_cache.dtype in _FP8_NAMES
     return (kv_cache.is_contiguous() and slot_mapping.dtype == torch.int64
             and all(t.dim() == 3 and t.stride(2) == 1 and t.stride(1) == t.shape[2]
                     and t.stride(0) >= t.shape[1] * t.shape[2] for t in (key, value))
-            and supports(kv_cache, key, value))
+            and (supports(key, value) and kv_cache.is_cpu if fp8 else supports(kv_cache, key, value)))
 
 
-def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+             k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """Writes token ``i``'s keys and values to slot ``slot_mapping[i]`` of one layer's cache
     (``[2, num_blocks, block_size, kv_heads, head_dim]``), as ``attention.cpu_backend.write_kv``
-    does. Call only where :func:`write_kv_supported` holds."""
+    does; an fp8 cache stores ``key / k_scale`` and ``value / v_scale``, rounded to nearest even
+    and saturated. Call only where :func:`write_kv_supported` holds."""
     tokens, heads, head_dim = key.shape
     width = heads * head_dim
     slots = slot_mapping.contiguous()
     key_cache, value_cache = kv_cache[0], kv_cache[1]
-    _core.cpu_write_kv(_NAMES[key.dtype], _rows(key, width), _rows(value, width), _buf(slots),
-                       _buf(key_cache), _buf(value_cache), tokens, width, key.stride(0), value.stride(0))
+    args = (_rows(key, width), _rows(value, width), _buf(slots), _buf(key_cache), _buf(value_cache), tokens, width,
+            key.stride(0), value.stride(0))
+    if kv_cache.dtype in _FP8_NAMES:
+        _core.cpu_write_kv_quantized(_NAMES[key.dtype], _FP8_NAMES[kv_cache.dtype], *args, k_scale, v_scale)
+    else:
+        _core.cpu_write_kv(_NAMES[key.dtype], *args)
 
 
 def _rows(t: torch.Tensor, width: int) -> tuple[int, int]:
@@ -295,7 +307,7 @@ def _rows(t: torch.Tensor, width: int) -> tuple[int, int]:
 
 def paged_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                  seq_lens: torch.Tensor, scale: float, sliding_window: int | None = None,
-                 soft_cap: float | None = None) -> torch.Tensor:
+                 soft_cap: float | None = None, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """Attention of one query token per row over its paged context, as
     ``attention.cpu_backend`` computes it.
 
@@ -305,6 +317,7 @@ def paged_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
         block_tables: ``[rows, max_blocks]`` block ids (any integer dtype).
         seq_lens: ``[rows]`` context lengths, the query token included.
         scale, sliding_window, soft_cap: as in ``cpu_backend.paged_attention``.
+        k_scale, v_scale: what an fp8 cache's keys and values are multiplied by when read.
 
     Returns:
         ``[rows, num_heads, head_dim]`` in ``query``'s dtype.
@@ -318,7 +331,8 @@ def paged_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
     _, _, block_size, kv_heads, head_dim = kv_cache.shape
     _core.cpu_paged_decode(_NAMES[query.dtype], _buf(query), _buf(kv_cache[0]), _buf(kv_cache[1]), _buf(tables),
                            _buf(lens), _buf(out), query.shape[1], kv_heads, head_dim, block_size,
-                           tables.shape[1], scale, _threads(), sliding_window, soft_cap)
+                           tables.shape[1], scale, _threads(), sliding_window, soft_cap,
+                           _FP8_NAMES.get(kv_cache.dtype), k_scale, v_scale)
     return out
 
 

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from ferrollm.exceptions import CheckpointError, UnsupportedModelError
+from ferrollm.model_executor.kv_scales import apply_kv_scale
 from ferrollm.model_executor.weight_utils import default_weight_loader
 
 __all__ = ["CausalLMInterface", "layer_sliding_window", "load_weights_into"]
@@ -60,6 +61,8 @@ def load_weights_into(
         weights: ``(name, tensor)`` pairs of the full checkpoint.
         stacked_params: how checkpoint names map onto fused parameters.
         skip: substrings of checkpoint names to ignore (e.g. ``rotary_emb.inv_freq``).
+            KV cache scales (``*.k_scale``, ``*.v_scale``) go to the attention layers
+            (`model_executor.kv_scales`).
 
     Returns:
         The names of the parameters loaded.
@@ -71,7 +74,7 @@ def load_weights_into(
     params = dict(model.named_parameters())
     loaded: set[tuple[str, Hashable]] = set()
     for name, tensor in weights:
-        if any(s in name for s in skip):
+        if any(s in name for s in skip) or apply_kv_scale(model, name, tensor):
             continue
         param_name, shard_id = _fused_name(name, stacked_params)
         param = params.get(param_name)

@@ -1,6 +1,9 @@
 //! `schedule()`: one token budget shared by the running requests (decodes and unfinished
 //! prefills, served first) and then the waiting ones. When a running request cannot get blocks,
 //! the policy's victim is preempted by recompute and nobody is admitted in that step.
+//! `long_prefill_token_threshold` caps each request's tokens in the step (vLLM's rule: only
+//! while more than one request is live); with chunked prefill off, a waiting request is admitted
+//! only when its (capped) tokens fit in what is left of the budget, else admission stops there.
 
 use super::output::{ScheduledRequest, SchedulerOutput};
 use super::update::PendingStep;
@@ -13,9 +16,10 @@ impl Scheduler {
         let mut budget = self.cfg.max_num_batched_tokens;
         let mut scheduled: Vec<ScheduledRequest> = Vec::with_capacity(self.running.len());
         let mut preempted = Vec::new();
-        self.schedule_running(&mut budget, &mut scheduled, &mut preempted);
+        let cap = self.long_prefill_cap();
+        self.schedule_running(&mut budget, cap, &mut scheduled, &mut preempted);
         if preempted.is_empty() {
-            self.schedule_waiting(&mut budget, &mut scheduled);
+            self.schedule_waiting(&mut budget, cap, &mut scheduled);
         }
         let step_id = self.next_step_id;
         self.next_step_id += 1;
@@ -28,9 +32,20 @@ impl Scheduler {
         out
     }
 
+    /// Most tokens one request may take this step.
+    fn long_prefill_cap(&self) -> usize {
+        let threshold = self.cfg.long_prefill_token_threshold;
+        if threshold > 0 && self.running.len() + self.waiting.len() > 1 {
+            threshold
+        } else {
+            usize::MAX
+        }
+    }
+
     fn schedule_running(
         &mut self,
         budget: &mut usize,
+        cap: usize,
         scheduled: &mut Vec<ScheduledRequest>,
         preempted: &mut Vec<ReqIdx>,
     ) {
@@ -38,7 +53,7 @@ impl Scheduler {
         while i < self.running.len() && *budget > 0 {
             let idx = self.running[i];
             let req = self.req(idx);
-            let num_new_tokens = (req.num_tokens() - req.num_computed_tokens).min(*budget);
+            let num_new_tokens = (req.num_tokens() - req.num_computed_tokens).min(cap).min(*budget);
             if num_new_tokens == 0 {
                 i += 1;
                 continue;
@@ -83,12 +98,12 @@ impl Scheduler {
         }
     }
 
-    fn schedule_waiting(&mut self, budget: &mut usize, scheduled: &mut Vec<ScheduledRequest>) {
+    fn schedule_waiting(&mut self, budget: &mut usize, cap: usize, scheduled: &mut Vec<ScheduledRequest>) {
         while *budget > 0 && self.running.len() < self.cfg.max_num_seqs {
             let Some(idx) = self.waiting.peek() else { break };
             let req = self.requests[idx].as_mut().expect("waiting request is live");
             let (computed_blocks, num_computed) = self.kv.get_computed_blocks(req);
-            let remaining = req.num_tokens() - num_computed;
+            let remaining = (req.num_tokens() - num_computed).min(cap);
             if !self.cfg.enable_chunked_prefill && remaining > *budget {
                 break;
             }

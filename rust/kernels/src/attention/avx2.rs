@@ -43,13 +43,14 @@ pub(super) fn supports(head_dim: usize) -> bool {
 /// The CPU must have AVX2 and FMA, `supports(unit.dim)` must hold, and `unit` must address
 /// readable rows (as [`Unit`] promises once built from validated inputs).
 #[target_feature(enable = "avx2,fma")]
-pub(super) unsafe fn attend<T: Lanes>(unit: &Unit<'_, T>, soft_cap: Option<f32>, out: &mut [T]) {
+pub(super) unsafe fn attend<T: Element, C: Lanes>(unit: &Unit<'_, C>, soft_cap: Option<f32>, out: &mut [T]) {
     let (n, heads, dim) = (unit.slots.len(), unit.kv_heads * unit.group, unit.dim);
     let padded = n.div_ceil(TOKENS) * TOKENS;
     let mut scores = vec![0.0f32; heads * padded];
     score_all(unit, &mut scores, padded);
-    let totals: Vec<f32> =
-        (0..heads).map(|h| softmax_numerators(&mut scores[h * padded..][..n], soft_cap)).collect();
+    let totals: Vec<f32> = (0..heads)
+        .map(|h| softmax_numerators(&mut scores[h * padded..][..n], soft_cap) / unit.value_scale)
+        .collect();
     let values = gather_values(unit);
     for (kv_head, values) in values.chunks_exact(n * dim).enumerate() {
         for first in (kv_head * unit.group..(kv_head + 1) * unit.group).step_by(HEADS_PER_PASS) {
@@ -68,9 +69,10 @@ pub(super) unsafe fn attend<T: Lanes>(unit: &Unit<'_, T>, soft_cap: Option<f32>,
 /// eight tokens; a tile's keys for all KV heads are one contiguous run of each slot, requested
 /// a tile ahead.
 #[target_feature(enable = "avx2,fma")]
-unsafe fn score_all<T: Lanes>(unit: &Unit<'_, T>, scores: &mut [f32], padded: usize) {
+unsafe fn score_all<C: Lanes>(unit: &Unit<'_, C>, scores: &mut [f32], padded: usize) {
     let (n, dim, slot_len) = (unit.slots.len(), unit.dim, unit.kv_heads * unit.dim);
     let slot = |t: usize| unit.key_cache.as_ptr().add(unit.slots[t]);
+    let mut wide = if C::WIDENS { vec![0.0f32; TOKENS * dim] } else { Vec::new() };
     for t in 0..TOKENS.min(n) {
         prefetch(std::slice::from_raw_parts(slot(t), slot_len));
     }
@@ -79,14 +81,40 @@ unsafe fn score_all<T: Lanes>(unit: &Unit<'_, T>, scores: &mut [f32], padded: us
             prefetch(std::slice::from_raw_parts(slot(t), slot_len));
         }
         // A short last tile repeats its last token; the scores past `n` are never read.
-        let tile: [*const T; TOKENS] = std::array::from_fn(|j| slot((start + j).min(n - 1)));
+        let tile: [*const C; TOKENS] = std::array::from_fn(|j| slot((start + j).min(n - 1)));
         for kv_head in 0..unit.kv_heads {
             let keys = tile.map(|k| k.add(kv_head * dim));
-            for h in kv_head * unit.group..(kv_head + 1) * unit.group {
-                let tile = score_tile(unit.query[h * dim..].as_ptr(), &keys, dim);
-                _mm256_storeu_ps(scores.as_mut_ptr().add(h * padded + start), tile);
+            let heads = kv_head * unit.group..(kv_head + 1) * unit.group;
+            if C::WIDENS {
+                // Widened once here rather than once per query head of the group.
+                for (j, &k) in keys.iter().enumerate() {
+                    for c in (0..dim).step_by(8) {
+                        _mm256_storeu_ps(wide.as_mut_ptr().add(j * dim + c), C::load8(k.add(c)));
+                    }
+                }
+                let keys: [*const f32; TOKENS] = std::array::from_fn(|j| wide.as_ptr().add(j * dim));
+                score_heads(unit, heads, &keys, &mut scores[start..], padded);
+            } else {
+                score_heads(unit, heads, &keys, &mut scores[start..], padded);
             }
         }
+    }
+}
+
+/// One tile's scores for the query heads `heads`, at `scores[h * padded]`.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn score_heads<C: Lanes, K: Lanes>(
+    unit: &Unit<'_, C>,
+    heads: std::ops::Range<usize>,
+    keys: &[*const K; TOKENS],
+    scores: &mut [f32],
+    padded: usize,
+) {
+    let dim = unit.dim;
+    for h in heads {
+        let tile = score_tile(unit.query[h * dim..].as_ptr(), keys, dim);
+        _mm256_storeu_ps(scores.as_mut_ptr().add(h * padded), tile);
     }
 }
 
@@ -121,7 +149,7 @@ unsafe fn fold8(a: [__m256; TOKENS]) -> __m256 {
 /// of rows scattered over the cache's blocks that missed L1 on every pass (those loads took half
 /// of the kernel's time). Each slot is read once, all heads together.
 #[target_feature(enable = "avx2,fma")]
-unsafe fn gather_values<T: Lanes>(unit: &Unit<'_, T>) -> Vec<f32> {
+unsafe fn gather_values<C: Lanes>(unit: &Unit<'_, C>) -> Vec<f32> {
     let (n, dim, slot_len) = (unit.slots.len(), unit.dim, unit.kv_heads * unit.dim);
     let slot = |t: usize| unit.value_cache.as_ptr().add(unit.slots[t]);
     let mut values = vec![0.0f32; unit.kv_heads * n * dim];
@@ -135,7 +163,7 @@ unsafe fn gather_values<T: Lanes>(unit: &Unit<'_, T>) -> Vec<f32> {
         for kv_head in 0..unit.kv_heads {
             let (src, dst) = (slot(t).add(kv_head * dim), values.as_mut_ptr().add((kv_head * n + t) * dim));
             for c in (0..dim).step_by(8) {
-                _mm256_storeu_ps(dst.add(c), T::load8(src.add(c)));
+                _mm256_storeu_ps(dst.add(c), C::load8(src.add(c)));
             }
         }
     }

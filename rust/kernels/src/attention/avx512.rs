@@ -22,6 +22,7 @@
 use std::arch::x86_64::*;
 
 use super::{softmax_numerators, Unit};
+use crate::element::Element;
 use crate::simd::{has_avx512f, prefetch_l2, Lanes};
 
 /// Tokens per score tile: one register of scores.
@@ -55,13 +56,14 @@ pub(super) fn supports(head_dim: usize) -> bool {
 /// `supports(unit.dim)` must hold, and `unit` must address readable rows (as [`Unit`] promises
 /// once built from validated inputs).
 #[target_feature(enable = "avx512f")]
-pub(super) unsafe fn attend<T: Lanes>(unit: &Unit<'_, T>, soft_cap: Option<f32>, out: &mut [T]) {
+pub(super) unsafe fn attend<T: Element, C: Lanes>(unit: &Unit<'_, C>, soft_cap: Option<f32>, out: &mut [T]) {
     let (n, heads, dim, group) = (unit.slots.len(), unit.kv_heads * unit.group, unit.dim, unit.group);
     let padded = n.div_ceil(TOKENS) * TOKENS;
     let mut scores = vec![0.0f32; heads * padded];
     score_all(unit, &mut scores, padded);
-    let totals: Vec<f32> =
-        (0..heads).map(|h| softmax_numerators(&mut scores[h * padded..][..n], soft_cap)).collect();
+    let totals: Vec<f32> = (0..heads)
+        .map(|h| softmax_numerators(&mut scores[h * padded..][..n], soft_cap) / unit.value_scale)
+        .collect();
     for kv_head in 0..unit.kv_heads {
         let group_end = (kv_head + 1) * group;
         for first in (kv_head * group..group_end).step_by(MAX_HEADS) {
@@ -70,10 +72,10 @@ pub(super) unsafe fn attend<T: Lanes>(unit: &Unit<'_, T>, soft_cap: Option<f32>,
             for col in (0..dim).step_by(run * LANES) {
                 let pass = Pass { unit, scores: &scores, padded, totals: &totals, first, kv_head, col };
                 match run {
-                    1 => pass.run_heads::<1>(heads, out),
-                    2 => pass.run_heads::<2>(heads, out),
-                    3 => pass.run_heads::<3>(heads, out),
-                    _ => pass.run_heads::<MAX_VECTORS>(heads, out),
+                    1 => pass.run_heads::<T, 1>(heads, out),
+                    2 => pass.run_heads::<T, 2>(heads, out),
+                    3 => pass.run_heads::<T, 3>(heads, out),
+                    _ => pass.run_heads::<T, MAX_VECTORS>(heads, out),
                 }
             }
         }
@@ -87,10 +89,10 @@ pub(super) unsafe fn attend<T: Lanes>(unit: &Unit<'_, T>, soft_cap: Option<f32>,
 #[target_feature(enable = "avx512f")]
 unsafe fn score_all<T: Lanes>(unit: &Unit<'_, T>, scores: &mut [f32], padded: usize) {
     let (n, dim, slot_len) = (unit.slots.len(), unit.dim, unit.kv_heads * unit.dim);
-    let heads = unit.kv_heads * unit.group;
     let run = run_length(dim / LANES, MAX_VECTORS);
     let slot =
         |cache: &[T], t: usize| std::slice::from_raw_parts(cache.as_ptr().add(unit.slots[t]), slot_len);
+    let mut wide = if T::WIDENS { vec![0.0f32; TOKENS * dim] } else { Vec::new() };
     for t in 0..KEYS_AHEAD.min(n) {
         prefetch_l2(slot(unit.key_cache, t));
     }
@@ -100,25 +102,62 @@ unsafe fn score_all<T: Lanes>(unit: &Unit<'_, T>, scores: &mut [f32], padded: us
             std::array::from_fn(|j| slot(unit.key_cache, (start + j).min(n - 1)).as_ptr());
         for kv_head in 0..unit.kv_heads {
             let keys = tile.map(|k| k.add(kv_head * dim));
-            for h in kv_head * unit.group..(kv_head + 1) * unit.group {
-                for j in h * TOKENS / heads..(h + 1) * TOKENS / heads {
-                    if start + KEYS_AHEAD + j < n {
-                        prefetch_l2(slot(unit.key_cache, start + KEYS_AHEAD + j));
-                    }
-                    if start + VALUES_AHEAD + j < n {
-                        prefetch_l2(slot(unit.value_cache, start + VALUES_AHEAD + j));
+            let tile = Tile { start, run, heads: kv_head * unit.group..(kv_head + 1) * unit.group };
+            if T::WIDENS {
+                // Widened once here rather than once per query head of the group.
+                for (j, &k) in keys.iter().enumerate() {
+                    for c in (0..dim).step_by(LANES) {
+                        _mm512_storeu_ps(wide.as_mut_ptr().add(j * dim + c), T::load16(k.add(c)));
                     }
                 }
-                let query = unit.query[h * dim..].as_ptr();
-                let tile = match run {
-                    1 => score_tile::<T, 1>(query, &keys, dim),
-                    2 => score_tile::<T, 2>(query, &keys, dim),
-                    3 => score_tile::<T, 3>(query, &keys, dim),
-                    _ => score_tile::<T, MAX_VECTORS>(query, &keys, dim),
-                };
-                _mm512_storeu_ps(scores.as_mut_ptr().add(h * padded + start), tile);
+                let keys: [*const f32; TOKENS] = std::array::from_fn(|j| wide.as_ptr().add(j * dim));
+                score_heads(unit, &tile, &keys, scores, padded);
+            } else {
+                score_heads(unit, &tile, &keys, scores, padded);
             }
         }
+    }
+}
+
+/// Which scores one call of [`score_heads`] fills: tokens `start..start + TOKENS` of the query
+/// heads `heads`, `run` vectors of the head dimension at a time.
+struct Tile {
+    start: usize,
+    run: usize,
+    heads: std::ops::Range<usize>,
+}
+
+/// One tile's scores for its query heads, each preceded by its share of the prefetches.
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn score_heads<T: Lanes, K: Lanes>(
+    unit: &Unit<'_, T>,
+    tile: &Tile,
+    keys: &[*const K; TOKENS],
+    scores: &mut [f32],
+    padded: usize,
+) {
+    let (n, dim, slot_len) = (unit.slots.len(), unit.dim, unit.kv_heads * unit.dim);
+    let (heads, start) = (unit.kv_heads * unit.group, tile.start);
+    let slot =
+        |cache: &[T], t: usize| std::slice::from_raw_parts(cache.as_ptr().add(unit.slots[t]), slot_len);
+    for h in tile.heads.clone() {
+        for j in h * TOKENS / heads..(h + 1) * TOKENS / heads {
+            if start + KEYS_AHEAD + j < n {
+                prefetch_l2(slot(unit.key_cache, start + KEYS_AHEAD + j));
+            }
+            if start + VALUES_AHEAD + j < n {
+                prefetch_l2(slot(unit.value_cache, start + VALUES_AHEAD + j));
+            }
+        }
+        let query = unit.query[h * dim..].as_ptr();
+        let sums = match tile.run {
+            1 => score_tile::<K, 1>(query, keys, dim),
+            2 => score_tile::<K, 2>(query, keys, dim),
+            3 => score_tile::<K, 3>(query, keys, dim),
+            _ => score_tile::<K, MAX_VECTORS>(query, keys, dim),
+        };
+        _mm512_storeu_ps(scores.as_mut_ptr().add(h * padded + start), sums);
     }
 }
 
@@ -186,8 +225,8 @@ unsafe fn fold16(a: [__m512; TOKENS]) -> __m512 {
 
 /// One value pass: the query heads `first..` (sharing KV head `kv_head`), head-dimension
 /// columns `col..`.
-struct Pass<'a, T> {
-    unit: &'a Unit<'a, T>,
+struct Pass<'a, C> {
+    unit: &'a Unit<'a, C>,
     scores: &'a [f32],
     padded: usize,
     totals: &'a [f32],
@@ -196,25 +235,25 @@ struct Pass<'a, T> {
     col: usize,
 }
 
-impl<T: Lanes> Pass<'_, T> {
+impl<C: Lanes> Pass<'_, C> {
     /// [`Pass::run`] for `heads` (1 to [`MAX_HEADS`]) query heads.
     #[target_feature(enable = "avx512f")]
-    unsafe fn run_heads<const V: usize>(&self, heads: usize, out: &mut [T]) {
+    unsafe fn run_heads<T: Element, const V: usize>(&self, heads: usize, out: &mut [T]) {
         match heads {
-            1 => self.run::<1, V>(out),
-            2 => self.run::<2, V>(out),
-            3 => self.run::<3, V>(out),
-            4 => self.run::<4, V>(out),
-            5 => self.run::<5, V>(out),
-            6 => self.run::<6, V>(out),
-            _ => self.run::<MAX_HEADS, V>(out),
+            1 => self.run::<T, 1, V>(out),
+            2 => self.run::<T, 2, V>(out),
+            3 => self.run::<T, 3, V>(out),
+            4 => self.run::<T, 4, V>(out),
+            5 => self.run::<T, 5, V>(out),
+            6 => self.run::<T, 6, V>(out),
+            _ => self.run::<T, MAX_HEADS, V>(out),
         }
     }
 
     /// `out[h] = Σ_t scores[h, t] · values[t] / totals[h]` for the pass's `H` heads and `V`
     /// vectors of columns.
     #[target_feature(enable = "avx512f")]
-    unsafe fn run<const H: usize, const V: usize>(&self, out: &mut [T]) {
+    unsafe fn run<T: Element, const H: usize, const V: usize>(&self, out: &mut [T]) {
         let unit = self.unit;
         let n = unit.slots.len();
         let offset = self.kv_head * unit.dim + self.col;
@@ -224,7 +263,7 @@ impl<T: Lanes> Pass<'_, T> {
             if t + ROWS_AHEAD < n {
                 prefetch_l2(std::slice::from_raw_parts(row(t + ROWS_AHEAD), V * LANES));
             }
-            let v: [__m512; V] = std::array::from_fn(|i| T::load16(row(t).add(i * LANES)));
+            let v: [__m512; V] = std::array::from_fn(|i| C::load16(row(t).add(i * LANES)));
             for (h, acc) in acc.iter_mut().enumerate() {
                 let p = _mm512_set1_ps(*self.scores.get_unchecked((self.first + h) * self.padded + t));
                 for (a, v) in acc.iter_mut().zip(&v) {
