@@ -6,6 +6,7 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use ferrollm_core::engine::EngineCore;
+use ferrollm_core::kv_cache::MultiModalFeature;
 use ferrollm_core::{CacheConfig, EngineConfig, EngineRequest, SchedulerConfig};
 use numpy::PyReadonlyArray1;
 use pyo3::prelude::*;
@@ -84,7 +85,9 @@ impl PyEngineCore {
     }
 
     /// Adds requests atomically; text prompts are tokenized in parallel with the GIL released.
-    #[pyo3(signature = (request_ids, prompts, params, priorities=None, cache_salts=None, add_special_tokens=true))]
+    #[pyo3(signature = (
+        request_ids, prompts, params, priorities=None, cache_salts=None, add_special_tokens=true, mm_features=None
+    ))]
     #[allow(clippy::too_many_arguments)]
     fn add_requests(
         &self,
@@ -95,6 +98,7 @@ impl PyEngineCore {
         priorities: Option<Vec<i32>>,
         cache_salts: Option<Vec<Option<String>>>,
         add_special_tokens: bool,
+        mm_features: Option<Vec<Vec<MmFeature>>>,
     ) -> PyCoreResult<()> {
         let n = request_ids.len();
         check_len("prompts", prompts.len(), n)?;
@@ -103,18 +107,24 @@ impl PyEngineCore {
         check_len("priorities", priorities.len(), n)?;
         let salts = cache_salts.unwrap_or_else(|| vec![None; n]);
         check_len("cache_salts", salts.len(), n)?;
+        let features = mm_features.unwrap_or_else(|| vec![Vec::new(); n]);
+        check_len("mm_features", features.len(), n)?;
         let sampling: Vec<_> = params.iter().map(|p| p.0.clone()).collect();
         py.detach(|| {
             let mut core = self.lock();
             let ids = tokenize(&core, prompts, add_special_tokens)?;
-            let reqs = request_ids.into_iter().zip(ids).zip(sampling).zip(priorities).zip(salts);
+            let reqs =
+                request_ids.into_iter().zip(ids).zip(sampling).zip(priorities).zip(salts).zip(features);
             let reqs = reqs
-                .map(|((((id, toks), s), priority), salt)| EngineRequest {
-                    priority,
-                    cache_salt: salt,
-                    ..EngineRequest::new(id, toks, s)
+                .map(|(((((id, toks), s), priority), salt), feats)| {
+                    Ok(EngineRequest {
+                        priority,
+                        cache_salt: salt,
+                        mm_features: mm_features_of(feats, toks.len())?,
+                        ..EngineRequest::new(id, toks, s)
+                    })
                 })
-                .collect();
+                .collect::<ferrollm_core::CoreResult<_>>()?;
             core.add_requests(reqs)
         })?;
         Ok(())
@@ -207,6 +217,30 @@ impl PyEngineCore {
     fn get_tokenizer(&self) -> Option<PyTokenizer> {
         self.lock().tokenizer().map(|t| PyTokenizer { inner: t.clone() })
     }
+}
+
+/// A multimodal item as Python passes it: (content hash, first prompt position, length).
+type MmFeature = (String, usize, usize);
+
+/// The core's features of one request, each checked to lie inside its prompt.
+fn mm_features_of(
+    feats: Vec<MmFeature>,
+    prompt_len: usize,
+) -> ferrollm_core::CoreResult<Vec<MultiModalFeature>> {
+    feats
+        .into_iter()
+        .map(|(identifier, offset, length)| {
+            if offset.checked_add(length).is_none_or(|end| end > prompt_len) {
+                let bound = format!("inside the prompt ({prompt_len} tokens)");
+                return Err(ferrollm_core::CoreError::invalid(
+                    "mm_features",
+                    bound,
+                    format!("{offset}..+{length}"),
+                ));
+            }
+            Ok(MultiModalFeature { identifier, offset, length })
+        })
+        .collect()
 }
 
 fn check_len(param: &str, got: usize, want: usize) -> PyCoreResult<()> {
