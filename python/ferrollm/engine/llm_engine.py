@@ -21,7 +21,7 @@ from ferrollm._core import EngineCore, EngineCoreOutput, SamplingOptions
 from ferrollm.attention.backend import allocate_kv_cache
 from ferrollm.config.compilation import CompilationConfig
 from ferrollm.config.generation_config import default_sampling_fields
-from ferrollm.config.model_config import ModelConfig, build_model_config
+from ferrollm.config.model_config import ModelConfig, build_model_config, text_config_of
 from ferrollm.config.model_source import resolve_model_source
 from ferrollm.engine.startup_report import (
     StartupClock,
@@ -35,6 +35,8 @@ from ferrollm.pooling_params import PoolingParams
 from ferrollm.sampling_params import SamplingParams
 from ferrollm.executor import ExternalLauncherExecutor, MultiprocExecutor
 from ferrollm.executor.launch import check_not_bootstrapping, check_tp_shapes
+from ferrollm.multimodal.inputs import MultiModalInputs
+from ferrollm.multimodal.setup import MultiModalProcessor, build_mm_processor
 from ferrollm.worker.model_runner import ModelRunner
 from ferrollm.worker.pooling_runner import PoolingModelRunner
 from ferrollm.worker.worker import CacheOptions, Worker
@@ -72,6 +74,9 @@ class EngineArgs:
     override_generation_config: dict[str, Any] | None = None
     compilation_config: CompilationConfig | dict[str, Any] | int | None = None
     quantization: str | None = None
+    limit_mm_per_prompt: dict[str, int] | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None
+    mm_processor_cache_gb: float | None = None
 
     def validate(self) -> None:
         self.compilation_config = CompilationConfig.from_value(self.compilation_config)
@@ -117,6 +122,8 @@ class LLMEngine:
         self.tokenizers = tokenizers
         self.core = core
         self.runner = runner
+        # Images through the checkpoint's processor (multimodal models only).
+        self.mm_processor: MultiModalProcessor | None = None
         # The model's recommended SamplingParams fields (generation_config.json), for
         # `LLM.get_default_sampling_params`.
         self.default_sampling_fields = default_sampling_fields(
@@ -146,6 +153,7 @@ class LLMEngine:
             )
         with clock.phase("tokenizer"):
             tokenizers = load_tokenizers(source, args.tokenizer, args.revision)
+            mm_processor = build_mm_processor(args, model_config)
         if model_config.is_pooling:
             if args.tensor_parallel_size > 1:
                 raise ConfigError("`tensor_parallel_size` must be 1 for a pooling model (runner='pooling'). "
@@ -159,6 +167,7 @@ class LLMEngine:
             clock.log()
             return cls(args, model_config, tokenizers, core, runner)
         engine = cls._from_workers(args, model_config, tokenizers, device, clock)
+        engine.mm_processor = mm_processor
         clock.log()
         return engine
 
@@ -228,19 +237,26 @@ class LLMEngine:
 
     @property
     def vocab_size(self) -> int:
-        return int(self.model_config.hf_config.vocab_size)
+        return int(text_config_of(self.model_config.hf_config).vocab_size)
 
     def add_requests(self, request_ids: list[str], prompts: Sequence[str | list[int]],
                      params: list[SamplingParams], add_special_tokens: bool = True,
-                     priorities: list[int] | None = None) -> None:
-        """Queues requests atomically: either all are accepted or none is."""
+                     priorities: list[int] | None = None,
+                     mm_inputs: Sequence[MultiModalInputs | None] | None = None) -> None:
+        """Queues requests atomically: either all are accepted or none is. A request with
+        `mm_inputs` has its prompt replaced by their expanded token ids; their items' content
+        hashes enter its prefix-cache block hashes."""
         self.check_alive()
         for p in params:
             p.verify_token_ids(self.vocab_size)
+        mm = list(mm_inputs) if mm_inputs is not None else [None] * len(request_ids)
+        prompts = [m.prompt_token_ids if m is not None else p for p, m in zip(prompts, mm)]
+        features = [m.core_features() if m is not None else [] for m in mm]
         self.core.add_requests(request_ids, list(prompts), [p.to_core() for p in params],
-                               priorities=priorities, add_special_tokens=add_special_tokens)
-        for rid, p in zip(request_ids, params):
-            self.generation_runner.add_request_params(rid, p)
+                               priorities=priorities, add_special_tokens=add_special_tokens,
+                               mm_features=features if any(features) else None)
+        for rid, p, m in zip(request_ids, params, mm):
+            self.generation_runner.add_request_params(rid, p, m)
 
     def add_pooling_requests(self, request_ids: list[str], prompts: list[list[int]],
                              params: list[PoolingParams]) -> None:
@@ -347,7 +363,7 @@ def _log_memory(args: EngineArgs, mc: ModelConfig, runner: ModelRunner, num_bloc
     """Rank 0's weights, KV cache and largest step workspace, at INFO."""
     batched = _batched_tokens(args, mc.max_model_len)
     kv_bytes = sum(t.numel() * t.element_size() for t in runner.kv_caches)
-    workspace = activation_workspace_bytes(mc.hf_config, mc.dtype, batched, args.max_num_seqs)
+    workspace = activation_workspace_bytes(text_config_of(mc.hf_config), mc.dtype, batched, args.max_num_seqs)
     log_memory(model_weight_bytes(runner.model), kv_bytes, num_blocks, args.block_size, workspace, batched,
                args.max_num_seqs)
 

@@ -18,7 +18,8 @@ from ferrollm.config.compilation import CompilationConfig
 from ferrollm.engine.llm_engine import EngineArgs, LLMEngine
 from ferrollm.entrypoints.output_builder import LogprobDecoder, PendingRequest, completion, prompt_logprobs
 from ferrollm.entrypoints.pooling import PoolingMixin
-from ferrollm.entrypoints.prompts import normalize_prompts
+from ferrollm.entrypoints.prompts import multimodal_fields, normalize_prompts
+from ferrollm.multimodal.requests import process_multimodal
 from ferrollm.exceptions import InvalidRequestError
 from ferrollm.outputs import RequestOutput
 from ferrollm.sampling_params import SamplingParams
@@ -71,6 +72,12 @@ class LLM(PoolingMixin):
             generation_config.json when `generate` gets none; "vllm" ignores the file; a folder
             path reads the file there.
         override_generation_config: fields merged over the generation config.
+        limit_mm_per_prompt: items per modality a prompt may carry, e.g. ``{"image": 2}``
+            (default 999); 0 refuses the modality, and 0 for all skips loading the vision tower.
+        mm_processor_kwargs: options for the checkpoint's image processor (e.g. ``max_pixels``,
+            ``min_pixels`` for Qwen2-VL); a prompt's own ``mm_processor_kwargs`` override them.
+        mm_processor_cache_gb: GiB of processed images kept by content hash (default
+            ``FERROLLM_MM_INPUT_CACHE_GIB`` or ``VLLM_MM_INPUT_CACHE_GIB``, else 4; 0 disables).
     """
 
     def __init__(
@@ -101,6 +108,9 @@ class LLM(PoolingMixin):
         override_generation_config: dict[str, Any] | None = None,
         compilation_config: CompilationConfig | dict[str, Any] | int | None = None,
         quantization: str | None = None,
+        limit_mm_per_prompt: dict[str, int] | None = None,
+        mm_processor_kwargs: dict[str, Any] | None = None,
+        mm_processor_cache_gb: float | None = None,
     ) -> None:
         args = EngineArgs(
             model=str(model), tokenizer=tokenizer, revision=revision, dtype=dtype, seed=seed,
@@ -113,6 +123,8 @@ class LLM(PoolingMixin):
             runner=runner, convert=convert, pooler_config=pooler_config,
             generation_config=generation_config, override_generation_config=override_generation_config,
             compilation_config=compilation_config, quantization=quantization,
+            limit_mm_per_prompt=limit_mm_per_prompt, mm_processor_kwargs=mm_processor_kwargs,
+            mm_processor_cache_gb=mm_processor_cache_gb,
         )
         self.llm_engine: LLMEngine | None = LLMEngine.from_args(args)
         self._request_counter = itertools.count()
@@ -186,7 +198,9 @@ class LLM(PoolingMixin):
 
         Args:
             prompts: a string, a `{"prompt": ...}` or `{"prompt_token_ids": [...]}` dict, or a
-                list of these.
+                list of these. A dict may carry ``multi_modal_data`` (``{"image": PIL image
+                or list}``, one placeholder per image in the prompt) and its own
+                ``mm_processor_kwargs``.
             sampling_params: one for all prompts, one per prompt, or None for the defaults.
             use_tqdm: show a progress bar.
             priority: per-prompt priority (lower runs first) under the priority policy.
@@ -244,7 +258,8 @@ class LLM(PoolingMixin):
         params = _expand_params(sampling_params, len(items))
         if priority is not None and len(priority) != len(items):
             raise InvalidRequestError(f"`priority` must have one entry per prompt ({len(items)}). Given: {len(priority)} entries")
-        pending, ids, seq_prompts, seq_params, seq_prio = [], [], [], [], []
+        mm = process_multimodal(engine, items, multimodal_fields(prompts), add_special_tokens)
+        pending, ids, seq_prompts, seq_params, seq_prio, seq_mm = [], [], [], [], [], []
         for i, ((text, prompt), p) in enumerate(zip(items, params)):
             rid = str(next(self._request_counter))
             pending.append(PendingRequest(rid, text, p.n))
@@ -253,7 +268,9 @@ class LLM(PoolingMixin):
                 seq_prompts.append(prompt)
                 seq_params.append(child)
                 seq_prio.append(priority[i] if priority else 0)
-        engine.add_requests(ids, seq_prompts, seq_params, add_special_tokens, seq_prio)
+                seq_mm.append(mm[i])
+        engine.add_requests(ids, seq_prompts, seq_params, add_special_tokens, seq_prio,
+                            mm_inputs=seq_mm if any(m is not None for m in seq_mm) else None)
         return self._run(engine, pending, use_tqdm)
 
     def _run(self, engine: LLMEngine, pending: list[PendingRequest], use_tqdm: bool) -> list[RequestOutput]:

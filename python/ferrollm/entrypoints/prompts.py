@@ -33,3 +33,12 @@ def normalize_prompts(prompts: Any, vocab_size: int) -> list[tuple[str | None, s
                 f"`prompts` must be strings or dicts with 'prompt' or 'prompt_token_ids'. Given: {type(p).__name__} at index {i}"
             )
     return out
+
+
+def multimodal_fields(prompts: Any) -> list[tuple[dict[str, Any] | None, dict[str, Any] | None]]:
+    """Per prompt (in `normalize_prompts` order), its ``multi_modal_data`` and
+    ``mm_processor_kwargs`` (None where absent)."""
+    if isinstance(prompts, (str, dict)):
+        prompts = [prompts]
+    return [(p.get("multi_modal_data"), p.get("mm_processor_kwargs")) if isinstance(p, dict) else (None, None)
+            for p in prompts]
