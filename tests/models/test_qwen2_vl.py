@@ -182,3 +182,39 @@ def test_prefix_cache_reuses_a_repeated_image_but_not_a_different_one(qwen2_vl):
         assert list(repeat.outputs[0].token_ids) == list(first.outputs[0].token_ids)
         # Blocks that hold any of the other image's placeholders must not be reused.
         assert different.num_cached_tokens == offset // 16 * 16
+
+
+# Renders content parts as Qwen2-VL's template does: the image part becomes its placeholder.
+PARTS_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {% for p in m['content'] %}"
+                  "{% if p['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+                  "{% else %}{{ p['text'] }}{% endif %}{% endfor %}\n{% endfor %}assistant:")
+
+
+def test_chat_takes_image_url_and_image_pil_parts(qwen2_vl, tmp_path):
+    import base64
+    import io
+
+    folder, _ = qwen2_vl
+    first, second = random_image(30, 56, 84), random_image(31, 84, 56)
+    buf = io.BytesIO()
+    first.save(buf, format="PNG")
+    data_url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    second.save(tmp_path / "second.png")
+    text = "user: look <|vision_start|><|image_pad|><|vision_end|> and <|vision_start|><|image_pad|><|vision_end|>\nassistant:"
+    with _llm(folder) as llm:
+        # The chat template carries the special tokens itself: no BOS is added.
+        ids = llm.llm_engine.tokenizers.core.encode(text, add_special_tokens=False)
+        want = llm.generate({"prompt_token_ids": ids, "multi_modal_data": {"image": [first, second]}}, GREEDY,
+                            use_tqdm=False)
+        pil_or_url = [{"type": "image_url", "image_url": {"url": data_url}},
+                      {"type": "image_url", "image_url": {"url": str(tmp_path / "second.png")}}]
+        messages = [{"role": "user", "content": [{"type": "text", "text": "look "}, pil_or_url[0],
+                                                 {"type": "text", "text": " and "}, pil_or_url[1]]}]
+        got = llm.chat(messages, GREEDY, use_tqdm=False, chat_template=PARTS_TEMPLATE)
+        assert list(got[0].outputs[0].token_ids) == list(want[0].outputs[0].token_ids)
+        messages[0]["content"][3] = {"type": "image_pil", "image_pil": second}
+        got = llm.chat(messages, GREEDY, use_tqdm=False, chat_template=PARTS_TEMPLATE)
+        assert list(got[0].outputs[0].token_ids) == list(want[0].outputs[0].token_ids)
+        with pytest.raises(ValueError, match="remote images are not fetched"):
+            llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://x/y.png"}}]}],
+                     GREEDY, use_tqdm=False, chat_template=PARTS_TEMPLATE)

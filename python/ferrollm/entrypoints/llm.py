@@ -19,6 +19,7 @@ from ferrollm.engine.llm_engine import EngineArgs, LLMEngine
 from ferrollm.entrypoints.output_builder import LogprobDecoder, PendingRequest, completion, prompt_logprobs
 from ferrollm.entrypoints.pooling import PoolingMixin
 from ferrollm.entrypoints.prompts import multimodal_fields, normalize_prompts
+from ferrollm.multimodal.chat import extract_images
 from ferrollm.multimodal.requests import process_multimodal
 from ferrollm.exceptions import InvalidRequestError
 from ferrollm.outputs import RequestOutput
@@ -224,6 +225,8 @@ class LLM(PoolingMixin):
 
         Args:
             messages: one conversation (a list of `{"role", "content"}` dicts) or a list of them.
+                Content may be a list of parts: ``{"type": "text"}``, ``{"type": "image_url",
+                "image_url": {"url": data: URL or local path}}``, ``{"type": "image_pil"}``.
             sampling_params: as in `generate`.
             chat_template: a Jinja template to use instead of the tokenizer's.
             add_generation_prompt: end the prompt with the assistant's turn header.
@@ -237,14 +240,16 @@ class LLM(PoolingMixin):
         tok = self.get_tokenizer()
         if chat_template is None and getattr(tok, "chat_template", None) is None:
             raise InvalidRequestError("`chat_template` must be given: the tokenizer has no chat template")
-        prompts = [
-            tok.apply_chat_template(
+        prompts: list[Any] = []
+        for conv in conversations:
+            # `image_url`/`image_pil` parts become the template's image parts plus multi_modal_data.
+            conv, images = extract_images(conv)
+            text = tok.apply_chat_template(
                 conv, tokenize=False, chat_template=chat_template,
                 add_generation_prompt=add_generation_prompt and not continue_final_message,
                 continue_final_message=continue_final_message, **(chat_template_kwargs or {}),
             )
-            for conv in conversations
-        ]
+            prompts.append({"prompt": text, "multi_modal_data": {"image": images}} if images else text)
         # The template already holds the special tokens (BOS and the like), as in vLLM.
         return self._generate(prompts, sampling_params, use_tqdm, None, add_special_tokens=False)
 
