@@ -65,7 +65,8 @@ def test_chunked_prefill_splits_an_image_and_still_matches(vl):
     folder, hf_model = vl
     # 16-token steps cut the image's 24 placeholders across two steps.
     with _llm(folder, max_num_batched_tokens=16, max_num_seqs=2, enable_prefix_caching=True) as llm:
-        _check_against_transformers(llm, hf_model, [(f"look {IMAGE} here", [random_image(2, 150, 200)])])
+        _check_against_transformers(llm, hf_model, [(f"look {IMAGE} here", [random_image(2, 150, 200)]),
+                                                    ("and a text request beside it", [])])
 
 
 def test_prompt_token_ids_with_one_placeholder_per_image(qwen2_vl):
