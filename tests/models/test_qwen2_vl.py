@@ -124,7 +124,13 @@ def _num_image_tokens(llm: LLM, image, **request_kwargs) -> int:
 
 
 def _hf_tokens(image, **kwargs) -> int:
-    grid = image_processor(**kwargs)(images=[image], return_tensors="pt")["image_grid_thw"][0]
+    """Image tokens when transformers' processor gets ``kwargs`` at call time, as vLLM passes
+    `mm_processor_kwargs` (transformers deprecates the bare min/max_pixels keys there)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        grid = image_processor()(images=[image], return_tensors="pt", **kwargs)["image_grid_thw"][0]
     return int(grid.prod()) // 4
 
 
@@ -135,6 +141,8 @@ def test_mm_processor_kwargs_change_the_token_count_as_transformers_does(qwen2_v
         assert _num_image_tokens(llm, image) == _hf_tokens(image, max_pixels=28 * 28 * 6) < _hf_tokens(image)
         # A request's own kwargs win over the LLM's.
         assert _num_image_tokens(llm, image, max_pixels=28 * 28 * 20) == _hf_tokens(image, max_pixels=28 * 28 * 20)
+        small, grow = random_image(5, 56, 56), dict(min_pixels=28 * 28 * 16, max_pixels=28 * 28 * 64)
+        assert _num_image_tokens(llm, small, **grow) == _hf_tokens(small, **grow) > _hf_tokens(small)
         with pytest.raises(ValueError, match="max_pixels"):
             _num_image_tokens(llm, image, max_pixelz=5)
     with pytest.raises(ValueError, match="mm_processor_kwargs.*min_pixels"):
