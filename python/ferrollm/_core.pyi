@@ -224,6 +224,7 @@ class EngineCore:
         scheduling_policy: str = "fcfs",
         stream_outputs: bool = False,
         sliding_window: int | None = None,
+        max_num_encoder_input_tokens: int | None = None,
     ) -> EngineCore: ...
     def add_requests(
         self,

@@ -149,6 +149,16 @@ def test_mm_processor_kwargs_change_the_token_count_as_transformers_does(qwen2_v
         _llm(folder, mm_processor_kwargs={"bogus": 1})
 
 
+def test_an_image_beyond_the_encoder_budget_is_refused(qwen2_vl):
+    folder, _ = qwen2_vl
+    # The budget is max(max_num_batched_tokens, the largest image the LLM's options allow: 32).
+    with _llm(folder, max_num_batched_tokens=16, max_num_seqs=2) as llm:
+        big = random_image(6, 400, 400)
+        with pytest.raises(ValueError, match=r"max_num_encoder_input_tokens \(32\)"):
+            _num_image_tokens(llm, big, max_pixels=28 * 28 * 100)
+        assert _num_image_tokens(llm, big) <= 32
+
+
 def test_input_cache_hits_on_a_repeated_image_and_stays_under_its_cap(qwen2_vl, monkeypatch):
     folder, _ = qwen2_vl
     images = [random_image(10 + i, 112, 112) for i in range(3)]

@@ -166,14 +166,16 @@ class LLMEngine:
             core, runner = _build_pooling_core(args, model_config, model, tokenizers, device)
             clock.log()
             return cls(args, model_config, tokenizers, core, runner)
-        engine = cls._from_workers(args, model_config, tokenizers, device, clock)
+        # vLLM's encoder budget: a step's worth of tokens, but never less than the largest item.
+        encoder_budget = mm_processor.max_tokens_per_item() if mm_processor is not None else 0
+        engine = cls._from_workers(args, model_config, tokenizers, device, clock, encoder_budget)
         engine.mm_processor = mm_processor
         clock.log()
         return engine
 
     @classmethod
     def _from_workers(cls, args: EngineArgs, mc: ModelConfig, tokenizers: Tokenizers, device: torch.device,
-                      clock: StartupClock) -> LLMEngine:
+                      clock: StartupClock, encoder_budget: int = 0) -> LLMEngine:
         """A generative engine: every rank loads its shard and states how many KV blocks it can
         hold; the core gets the smallest number, and every rank allocates that many."""
         batched = _batched_tokens(args, mc.max_model_len)
@@ -205,7 +207,7 @@ class LLMEngine:
                 num_blocks = min(run("load_model"))
             load_seconds = time.perf_counter() - start
             with clock.phase("KV cache"):
-                core = _build_core(args, mc, driver.sliding_window(), num_blocks, tokenizers)
+                core = _build_core(args, mc, driver.sliding_window(), num_blocks, tokenizers, encoder_budget)
                 run("init_kv_cache", num_blocks, tokenizers.core.eos_token_ids)
         except BaseException:
             if executor is not None:
@@ -369,12 +371,13 @@ def _log_memory(args: EngineArgs, mc: ModelConfig, runner: ModelRunner, num_bloc
 
 
 def _build_core(args: EngineArgs, mc: ModelConfig, window: int | None, num_blocks: int,
-                tokenizers: Tokenizers) -> EngineCore:
+                tokenizers: Tokenizers, encoder_budget: int = 0) -> EngineCore:
     batched = _batched_tokens(args, mc.max_model_len)
     return EngineCore(
         tokenizer=tokenizers.core, block_size=args.block_size, num_blocks=num_blocks,
         enable_prefix_caching=args.enable_prefix_caching, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=batched, max_model_len=mc.max_model_len, sliding_window=window,
+        max_num_encoder_input_tokens=max(batched, encoder_budget),
     )
 
 

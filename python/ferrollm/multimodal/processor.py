@@ -70,6 +70,14 @@ class MultiModalProcessor:
         self.accepted_kwargs = sorted(set(annotations) - _NOT_OPTIONS)
         self.default_kwargs = self._check_kwargs(default_kwargs or {}, ConfigError)
 
+    def max_tokens_per_item(self) -> int:
+        """Placeholder tokens of the largest image the LLM-level options allow (an image is
+        resized to at most ``max_pixels``, one token per merged ``(patch * merge)**2`` pixels)."""
+        size = self._call_kwargs(self.default_kwargs).get("size") or self.image_processor.size
+        size = dict(size)
+        patch = int(self.default_kwargs.get("patch_size") or self.image_processor.patch_size)
+        return int(size.get("longest_edge") or size.get("max_pixels") or 0) // (patch * self.merge) ** 2
+
     def _check_kwargs(self, kwargs: dict[str, Any], error: type[Exception]) -> dict[str, Any]:
         unknown = sorted(set(kwargs) - set(self.accepted_kwargs))
         if unknown:

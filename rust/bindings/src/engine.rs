@@ -45,7 +45,8 @@ impl PyEngineCore {
     #[pyo3(signature = (
         *, tokenizer=None, block_size=16, num_blocks=1024, enable_prefix_caching=true,
         max_num_seqs=256, max_num_batched_tokens=8192, max_model_len=4096,
-        enable_chunked_prefill=true, scheduling_policy="fcfs", stream_outputs=false, sliding_window=None
+        enable_chunked_prefill=true, scheduling_policy="fcfs", stream_outputs=false, sliding_window=None,
+        max_num_encoder_input_tokens=None
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -61,6 +62,7 @@ impl PyEngineCore {
         scheduling_policy: &str,
         stream_outputs: bool,
         sliding_window: Option<usize>,
+        max_num_encoder_input_tokens: Option<usize>,
     ) -> PyResult<Self> {
         let cfg = EngineConfig {
             cache: CacheConfig { block_size, num_blocks, enable_prefix_caching, sliding_window },
@@ -70,6 +72,8 @@ impl PyEngineCore {
                 max_model_len,
                 enable_chunked_prefill,
                 policy: scheduling_policy.parse().map_err(crate::errors::PyCoreError)?,
+                // vLLM's default: as many placeholder tokens as the step has tokens.
+                max_num_encoder_input_tokens: max_num_encoder_input_tokens.unwrap_or(max_num_batched_tokens),
             },
             stream_outputs,
         };
@@ -116,15 +120,16 @@ impl PyEngineCore {
             let reqs =
                 request_ids.into_iter().zip(ids).zip(sampling).zip(priorities).zip(salts).zip(features);
             let reqs = reqs
-                .map(|(((((id, toks), s), priority), salt), feats)| {
-                    Ok(EngineRequest {
-                        priority,
-                        cache_salt: salt,
-                        mm_features: mm_features_of(feats, toks.len())?,
-                        ..EngineRequest::new(id, toks, s)
-                    })
+                .map(|(((((id, toks), s), priority), salt), feats)| EngineRequest {
+                    priority,
+                    cache_salt: salt,
+                    mm_features: feats
+                        .into_iter()
+                        .map(|(identifier, offset, length)| MultiModalFeature { identifier, offset, length })
+                        .collect(),
+                    ..EngineRequest::new(id, toks, s)
                 })
-                .collect::<ferrollm_core::CoreResult<_>>()?;
+                .collect();
             core.add_requests(reqs)
         })?;
         Ok(())
@@ -219,29 +224,9 @@ impl PyEngineCore {
     }
 }
 
-/// A multimodal item as Python passes it: (content hash, first prompt position, length).
+/// A multimodal item as Python passes it: (content hash, first prompt position, length). The
+/// core checks that the items are sorted, disjoint and inside the prompt.
 type MmFeature = (String, usize, usize);
-
-/// The core's features of one request, each checked to lie inside its prompt.
-fn mm_features_of(
-    feats: Vec<MmFeature>,
-    prompt_len: usize,
-) -> ferrollm_core::CoreResult<Vec<MultiModalFeature>> {
-    feats
-        .into_iter()
-        .map(|(identifier, offset, length)| {
-            if offset.checked_add(length).is_none_or(|end| end > prompt_len) {
-                let bound = format!("inside the prompt ({prompt_len} tokens)");
-                return Err(ferrollm_core::CoreError::invalid(
-                    "mm_features",
-                    bound,
-                    format!("{offset}..+{length}"),
-                ));
-            }
-            Ok(MultiModalFeature { identifier, offset, length })
-        })
-        .collect()
-}
 
 fn check_len(param: &str, got: usize, want: usize) -> PyCoreResult<()> {
     if got == want {

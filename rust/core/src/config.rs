@@ -59,6 +59,8 @@ pub struct SchedulerConfig {
     /// Split prompts longer than the remaining budget across steps.
     pub enable_chunked_prefill: bool,
     pub policy: SchedulingPolicy,
+    /// Multimodal placeholder tokens whose items may be encoded in one step.
+    pub max_num_encoder_input_tokens: usize,
 }
 
 impl Default for SchedulerConfig {
@@ -69,6 +71,7 @@ impl Default for SchedulerConfig {
             max_model_len: 4096,
             enable_chunked_prefill: true,
             policy: SchedulingPolicy::Fcfs,
+            max_num_encoder_input_tokens: 8192,
         }
     }
 }
