@@ -237,3 +237,15 @@ def test_chat_takes_image_url_and_image_pil_parts(qwen2_vl, tmp_path):
         with pytest.raises(ValueError, match="remote images are not fetched"):
             llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://x/y.png"}}]}],
                      GREEDY, use_tqdm=False, chat_template=PARTS_TEMPLATE)
+
+
+def test_preempted_image_requests_recompute_and_still_match(qwen2_vl, monkeypatch):
+    folder, hf_model = qwen2_vl
+    # KV room for ~96 tokens (2 layers x 2 KV heads x 16 dims, fp32) against four ~40-token
+    # prompts growing by 6: the scheduler must preempt, and a resumed request re-encodes its image.
+    per_token = 2 * 2 * 2 * 16 * 4
+    monkeypatch.setenv("FERROLLM_CPU_KVCACHE_SPACE", str(96 * per_token / (1 << 30)))
+    prompts = [(f"image {i} {IMAGE} what", [random_image(40 + i, 84, 84)]) for i in range(4)]
+    with _llm(folder, max_model_len=64, block_size=4) as llm:
+        _check_against_transformers(llm, hf_model, prompts)
+        assert llm.llm_engine.core.stats()["num_preemptions"] > 0
