@@ -167,15 +167,15 @@ class LLMEngine:
             clock.log()
             return cls(args, model_config, tokenizers, core, runner)
         # vLLM's encoder budget: a step's worth of tokens, but never less than the largest item.
-        encoder_budget = mm_processor.max_tokens_per_item() if mm_processor is not None else 0
-        engine = cls._from_workers(args, model_config, tokenizers, device, clock, encoder_budget)
+        per_item = mm_processor.max_tokens_per_item() if mm_processor is not None else 0
+        engine = cls._from_workers(args, model_config, tokenizers, device, clock, per_item)
         engine.mm_processor = mm_processor
         clock.log()
         return engine
 
     @classmethod
     def _from_workers(cls, args: EngineArgs, mc: ModelConfig, tokenizers: Tokenizers, device: torch.device,
-                      clock: StartupClock, encoder_budget: int = 0) -> LLMEngine:
+                      clock: StartupClock, tokens_per_mm_item: int = 0) -> LLMEngine:
         """A generative engine: every rank loads its shard and states how many KV blocks it can
         hold; the core gets the smallest number, and every rank allocates that many."""
         batched = _batched_tokens(args, mc.max_model_len)
@@ -186,7 +186,9 @@ class LLMEngine:
                                        enforce_eager=args.enforce_eager or device.type != "cuda")
         options = CacheOptions(block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                                max_num_batched_tokens=batched, gpu_memory_utilization=args.gpu_memory_utilization,
-                               load_format=args.load_format, compilation_config=compilation)
+                               load_format=args.load_format, compilation_config=compilation,
+                               encoder_budget=max(batched, tokens_per_mm_item) if tokens_per_mm_item else 0,
+                               tokens_per_mm_item=tokens_per_mm_item)
         executor: MultiprocExecutor | ExternalLauncherExecutor | None = None
         if args.tensor_parallel_size > 1:
             check_tp_shapes(mc.hf_config, args.tensor_parallel_size)
@@ -207,7 +209,7 @@ class LLMEngine:
                 num_blocks = min(run("load_model"))
             load_seconds = time.perf_counter() - start
             with clock.phase("KV cache"):
-                core = _build_core(args, mc, driver.sliding_window(), num_blocks, tokenizers, encoder_budget)
+                core = _build_core(args, mc, driver.sliding_window(), num_blocks, tokenizers, options.encoder_budget)
                 run("init_kv_cache", num_blocks, tokenizers.core.eos_token_ids)
         except BaseException:
             if executor is not None:

@@ -47,6 +47,9 @@ class CacheOptions:
     gpu_memory_utilization: float
     load_format: str = "auto"
     compilation_config: CompilationConfig = field(default_factory=CompilationConfig)
+    # Multimodal models: placeholder tokens a step may encode, and those of the largest image.
+    encoder_budget: int = 0
+    tokens_per_mm_item: int = 0
 
 
 class Worker:
@@ -112,7 +115,8 @@ class Worker:
         sizes = opts.compilation_config.capture_sizes if host_sync_reason(model) is None else []
         self.memory_profile = profile_memory(
             model, mc.dtype, opts.block_size, opts.max_num_batched_tokens, opts.max_num_seqs, mc.max_model_len,
-            int(text_config_of(mc.hf_config).vocab_size), sizes, self.device)
+            int(text_config_of(mc.hf_config).vocab_size), sizes, self.device,
+            encoder=(opts.encoder_budget, opts.tokens_per_mm_item))
         logger.info("rank %d: %s", self.rank, self.memory_profile.describe(opts.gpu_memory_utilization))
         return self.memory_profile.kv_cache_budget(opts.gpu_memory_utilization)
 
