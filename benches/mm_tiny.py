@@ -18,9 +18,13 @@ from pathlib import Path
 
 import torch
 from conftest import build_tokenizer_dir
-from helpers.vl_checkpoints import build_vl_checkpoint, hf_greedy_vl, image_processor, random_image
-
 from ferrollm import LLM, SamplingParams
+from helpers.vl_checkpoints import (
+    build_vl_checkpoint,
+    hf_greedy_vl,
+    image_processor,
+    random_image,
+)
 
 IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
 

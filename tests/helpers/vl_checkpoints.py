@@ -59,7 +59,9 @@ def build_vl_checkpoint(kind: str, folder: Path, tokenizer_dir: Path, seed: int 
 
 
 def image_processor(**kwargs):
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
 
     size = {"shortest_edge": kwargs.pop("min_pixels", PROCESSOR["min_pixels"]),
             "longest_edge": kwargs.pop("max_pixels", PROCESSOR["max_pixels"])}

@@ -8,9 +8,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers.vl_checkpoints import build_vl_checkpoint, hf_greedy_vl, image_processor, random_image
-
 from ferrollm import LLM, SamplingParams
+from helpers.vl_checkpoints import (
+    build_vl_checkpoint,
+    hf_greedy_vl,
+    image_processor,
+    random_image,
+)
 
 torch.set_num_threads(2)
 

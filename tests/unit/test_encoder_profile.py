@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import torch
-from helpers.vl_checkpoints import vl_config
-
 from ferrollm.model_executor.models.qwen2_vl import Qwen2_5_VLForConditionalGeneration
 from ferrollm.worker.encoder_profile import encoder_worst_case, run_encoder_worst_case
 from ferrollm.worker.gpu_profiler import MemoryProfile
+from helpers.vl_checkpoints import vl_config
 
 
 def test_worst_case_fills_the_budget_with_the_largest_image():

@@ -3,14 +3,17 @@ multimodal features `EngineCore.add_requests` takes."""
 
 from __future__ import annotations
 
+import ferrollm
 import numpy as np
 import pytest
 import torch
-
-import ferrollm
 from ferrollm._core import EngineCore, MultiModalCache, SamplingOptions
 from ferrollm.exceptions import ConfigError, InvalidRequestError
-from ferrollm.multimodal.cache import MultiModalInputCache, cache_capacity_bytes, hash_item
+from ferrollm.multimodal.cache import (
+    MultiModalInputCache,
+    cache_capacity_bytes,
+    hash_item,
+)
 
 
 def test_cache_round_trips_bytes_and_metadata():

@@ -37,5 +37,5 @@ def run_encoder_worst_case(model, encoder_budget: int, tokens_per_item: int, dev
     num_patches = sum(t * h * w for t, h, w in grids)
     pixels = torch.zeros(num_patches, patch_dim, device=device)
     model.encode_images(pixels, grids)
-    t, h, w = grids[0]
+    _, h, w = grids[0]
     return f"{len(grids)} image(s) of {h}x{w} patches"

@@ -29,9 +29,16 @@ from transformers import PretrainedConfig
 
 from ferrollm.attention.backend import AttentionMetadata
 from ferrollm.model_executor.layers.mrope import MRotaryEmbedding, mrope_positions
-from ferrollm.model_executor.layers.rotary import RotaryEmbedding, rope_max_position, rope_parameters
+from ferrollm.model_executor.layers.rotary import (
+    RotaryEmbedding,
+    rope_max_position,
+    rope_parameters,
+)
 from ferrollm.model_executor.models.qwen2 import Qwen2ForCausalLM
-from ferrollm.model_executor.models.qwen2_vl_vision import Qwen2_5_VisionTransformer, Qwen2VisionTransformer
+from ferrollm.model_executor.models.qwen2_vl_vision import (
+    Qwen2_5_VisionTransformer,
+    Qwen2VisionTransformer,
+)
 
 __all__ = ["Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration"]
 

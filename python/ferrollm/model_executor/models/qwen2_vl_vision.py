@@ -14,6 +14,7 @@ ever built.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable
 
 import torch
@@ -69,7 +70,7 @@ class VisionAttention(nn.Module):
         q, k, v = self.qkv(x).view(n, 3, self.num_heads, self.head_dim).unbind(1)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         out = torch.empty_like(q)
-        for start, end in zip(cu_seqlens[:-1], cu_seqlens[1:]):
+        for start, end in itertools.pairwise(cu_seqlens):
             seg = [t[start:end].transpose(0, 1) for t in (q, k, v)]
             out[start:end] = F.scaled_dot_product_attention(*seg).transpose(0, 1)
         return self.proj(out.reshape(n, -1))
@@ -236,8 +237,8 @@ class Qwen2_5_VisionTransformer(Qwen2VisionTransformer):
         self._init_common(config, dim, heads)
         self.window_size = config.window_size
         self.full_blocks = set(config.fullatt_block_indexes)
-        mlp = lambda: _GatedMlp(dim, config.intermediate_size, config.hidden_act)  # noqa: E731
-        self.blocks = nn.ModuleList(_Block(dim, heads, mlp(), _RMSNorm) for _ in range(config.depth))
+        self.blocks = nn.ModuleList(_Block(dim, heads, _GatedMlp(dim, config.intermediate_size, config.hidden_act),
+                                           _RMSNorm) for _ in range(config.depth))
         self.merger = _Merger(out_dim, dim, self.merge, _RMSNorm)
         self.to(dtype)
 
