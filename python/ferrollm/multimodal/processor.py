@@ -59,9 +59,13 @@ class MultiModalProcessor:
 
     def __init__(self, folder: Path, hf_config: Any, limits: dict[str, int], default_kwargs: dict[str, Any] | None,
                  cache: MultiModalInputCache):
+        import transformers
         from transformers import AutoImageProcessor
 
-        self.image_processor = AutoImageProcessor.from_pretrained(str(folder))
+        # transformers 5 picks a torchvision backend when installed and warns when not: ask for
+        # the PIL one (what the tests compare with) so the output does not depend on that.
+        backend = {"backend": "pil"} if int(transformers.__version__.split(".")[0]) >= 5 else {}
+        self.image_processor = AutoImageProcessor.from_pretrained(str(folder), **backend)
         self.image_token_id = int(hf_config.image_token_id)
         self.merge = int(hf_config.vision_config.spatial_merge_size)
         self.limits = limits
