@@ -253,3 +253,19 @@ def test_preempted_image_requests_recompute_and_still_match(qwen2_vl, monkeypatc
     with _llm(folder, max_model_len=64, block_size=4) as llm:
         _check_against_transformers(llm, hf_model, prompts)
         assert llm.llm_engine.core.stats()["num_preemptions"] > 0
+
+
+def test_chat_uses_the_processor_chat_template_file(qwen2_vl, tmp_path):
+    import json
+    import shutil
+
+    folder, _ = qwen2_vl
+    copy = tmp_path / "with-template"
+    shutil.copytree(folder, copy)
+    (copy / "chat_template.json").write_text(json.dumps({"chat_template": PARTS_TEMPLATE}))
+    messages = [{"role": "user", "content": [{"type": "text", "text": "see "},
+                                             {"type": "image_pil", "image_pil": random_image(32, 56, 56)}]}]
+    with _llm(copy) as llm:
+        out = llm.chat(messages, GREEDY, use_tqdm=False)
+        image_id = llm.llm_engine.model_config.hf_config.image_token_id
+        assert image_id in out[0].prompt_token_ids and out[0].prompt.startswith("user: see <|vision_start|>")

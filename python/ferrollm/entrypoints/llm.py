@@ -19,7 +19,7 @@ from ferrollm.engine.llm_engine import EngineArgs, LLMEngine
 from ferrollm.entrypoints.output_builder import LogprobDecoder, PendingRequest, completion, prompt_logprobs
 from ferrollm.entrypoints.pooling import PoolingMixin
 from ferrollm.entrypoints.prompts import multimodal_fields, normalize_prompts
-from ferrollm.multimodal.chat import extract_images
+from ferrollm.multimodal.chat import extract_images, processor_chat_template
 from ferrollm.multimodal.requests import process_multimodal
 from ferrollm.exceptions import InvalidRequestError
 from ferrollm.outputs import RequestOutput
@@ -238,6 +238,8 @@ class LLM(PoolingMixin):
         """
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tok = self.get_tokenizer()
+        if chat_template is None and getattr(tok, "chat_template", None) is None:
+            chat_template = processor_chat_template(self._engine().model_config.source.folder)
         if chat_template is None and getattr(tok, "chat_template", None) is None:
             raise InvalidRequestError("`chat_template` must be given: the tokenizer has no chat template")
         prompts: list[Any] = []

@@ -13,7 +13,22 @@ from typing import Any
 
 from ferrollm.exceptions import InvalidRequestError
 
-__all__ = ["extract_images", "load_image_url"]
+__all__ = ["extract_images", "load_image_url", "processor_chat_template"]
+
+
+def processor_chat_template(folder: Path | None) -> str | None:
+    """The template multimodal checkpoints keep beside their processor (``chat_template.json``
+    or ``chat_template.jinja``) when the tokenizer has none; None if there is neither."""
+    if folder is None:
+        return None
+    if (folder / "chat_template.jinja").is_file():
+        return (folder / "chat_template.jinja").read_text()
+    if (folder / "chat_template.json").is_file():
+        import json
+
+        template = json.loads((folder / "chat_template.json").read_text()).get("chat_template")
+        return template if isinstance(template, str) else None
+    return None
 
 
 def load_image_url(url: str) -> Any:
