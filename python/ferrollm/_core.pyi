@@ -439,10 +439,7 @@ def cpu_w8a8_linear(
 ) -> None: ...
 def cpu_gguf_linear_supported(ggml_type: int) -> bool: ...
 def cpu_gguf_linear(
-    ggml_type: int,
-    weight: _Buffer,
-    row_stride: int,
-    out_features: int,
+    weights: list[tuple[int, _Buffer, int, int]],
     in_features: int,
     x: _Buffer,
     rows: int,

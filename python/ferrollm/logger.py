@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import os
 
-__all__ = ["configure_logging"]
+__all__ = ["configure_logging", "init_logger"]
 
 
 def _env(name: str, default: str) -> str:
@@ -30,3 +30,9 @@ def configure_logging() -> None:
     logger.addHandler(handler)
     logger.setLevel(_env("LOGGING_LEVEL", "INFO").upper())
     logger.propagate = False
+
+
+def init_logger(name: str) -> logging.Logger:
+    """The logger `name`, under vLLM's helper name (`vllm.logger.init_logger`) for scripts and
+    plugins written against vLLM."""
+    return logging.getLogger(name)

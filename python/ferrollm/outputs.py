@@ -6,7 +6,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Dict, Generic, List, Optional, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+# The logprob types live at vLLM's path (`ferrollm.logprobs`); kept importable from here.
+from ferrollm.logprobs import Logprob, PromptLogprobs, SampleLogprobs
 
 if TYPE_CHECKING:  # torch stays out of `import ferrollm`
     import torch
@@ -24,27 +27,6 @@ __all__ = [
     "ScoringOutput",
     "ScoringRequestOutput",
 ]
-
-
-@dataclass
-class Logprob:
-    """One token's log probability at one position.
-
-    Args:
-        logprob: Log probability of the token (from the model's raw logits).
-        rank: The token's rank in the vocabulary at this position (1 = most likely).
-        decoded_token: The token's text, when detokenization is on.
-    """
-
-    logprob: float
-    rank: int | None = None
-    decoded_token: str | None = None
-
-
-# One dict per generated token: token id -> its Logprob (the sampled token and the top ones).
-SampleLogprobs = List[Dict[int, Logprob]]
-# One entry per prompt token; the first is None since nothing predicts it.
-PromptLogprobs = List[Optional[Dict[int, Logprob]]]
 
 
 @dataclass
@@ -164,7 +146,10 @@ def _extend(done: CompletionOutput, new: CompletionOutput) -> None:
     done.text += new.text
     done.token_ids = list(done.token_ids) + list(new.token_ids)
     if new.logprobs:
-        done.logprobs = (done.logprobs or []) + list(new.logprobs)
+        if done.logprobs is None:
+            done.logprobs = new.logprobs[:]  # a copy: the delta output stays as it was
+        else:
+            done.logprobs.extend(new.logprobs)  # a list or a FlatLogprobs, kept as it is
     done.cumulative_logprob = new.cumulative_logprob
     done.finish_reason = new.finish_reason
     done.stop_reason = new.stop_reason

@@ -17,7 +17,7 @@ from typing import Any, cast
 from ferrollm._core import SamplingOptions
 from ferrollm.exceptions import InvalidRequestError
 
-__all__ = ["RequestOutputKind", "SamplingParams", "SamplingType"]
+__all__ = ["BeamSearchParams", "RequestOutputKind", "SamplingParams", "SamplingType"]
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +86,18 @@ def _normalize_stop(stop: Any) -> list[str]:
     return list(stop)
 
 
+def _normalize_bad_words(words: Any) -> list[str]:
+    """A list of distinct non-empty strings, in the order given."""
+    if words is None:
+        return []
+    if isinstance(words, str) or not isinstance(words, (list, tuple)) or \
+            not all(isinstance(w, str) for w in words):
+        raise _invalid("bad_words", "a list of strings", words)
+    if any(not w for w in words):
+        raise InvalidRequestError(f"bad_words cannot contain an empty string. Got bad_words={list(words)}")
+    return list(dict.fromkeys(words))
+
+
 def _normalize_logit_bias(bias: Any) -> dict[int, float] | None:
     """Keys become int token ids (JSON gives strings, as the OpenAI API sends them)."""
     if bias is None:
@@ -144,6 +156,13 @@ class SamplingParams:
         logit_bias: Token id -> value added to that token's logit before sampling.
         allowed_token_ids: When given, only these token ids may be sampled.
         best_of: Accepted for older scripts only when None or equal to `n`.
+        flat_logprobs: Return logprobs as a `ferrollm.logprobs.FlatLogprobs` (a few flat lists
+            read like the list of dicts) instead of a list of dicts.
+        bad_words: Words that may not be generated: the last token of each word (as it
+            tokenizes alone and after a space) is blocked whenever the tokens before it were
+            just generated.
+        extra_args: Free-form values for custom logits processors (`LLM(logits_processors=...)`)
+            to read; the engine itself ignores them.
     """
 
     n: int = 1
@@ -170,6 +189,9 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     best_of: int | None = field(default=None)
+    flat_logprobs: bool = False
+    bad_words: list[str] | None = None
+    extra_args: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         self._normalize()
@@ -197,6 +219,9 @@ class SamplingParams:
         self.logit_bias = _normalize_logit_bias(self.logit_bias)
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = _check_token_ids("allowed_token_ids", self.allowed_token_ids)
+        self.bad_words = _normalize_bad_words(self.bad_words)
+        if self.extra_args is not None and not isinstance(self.extra_args, dict):
+            raise _invalid("extra_args", "a dict or None", self.extra_args)
         if _is_number(self.temperature) and 0 < self.temperature < _MIN_TEMPERATURE:
             logger.warning(
                 "temperature %s is below %s and would overflow the softmax; using %s.",
@@ -299,18 +324,71 @@ class SamplingParams:
             vocab_size: Width of the model's logits (its vocabulary, padding included).
 
         Raises:
-            InvalidRequestError: An id in `stop_token_ids`, `logit_bias` or
-                `allowed_token_ids` is >= `vocab_size`.
+            InvalidRequestError: An id in `stop_token_ids`, `logit_bias`,
+                `allowed_token_ids` or the tokenized `bad_words` is >= `vocab_size`.
         """
         named = {
             "stop_token_ids": self._stop_id_list,
             "logit_bias": list(self.logit_bias or ()),
             "allowed_token_ids": self.allowed_token_ids or [],
+            "bad_words": [i for word in self.bad_words_token_ids or [] for i in word],
         }
         for name, ids in named.items():
             bad = [i for i in ids if i >= vocab_size]
             if bad:
                 raise _invalid(name, f"token ids < vocab_size ({vocab_size})", bad)
+
+    @property
+    def bad_words_token_ids(self) -> list[list[int]] | None:
+        """`bad_words` as token id sequences, once `update_from_tokenizer` has run."""
+        return getattr(self, "_bad_words_token_ids", None)
+
+    def update_from_tokenizer(self, tokenizer: Any) -> None:
+        """Tokenizes `bad_words` as vLLM does: each word with its leading spaces stripped, and
+        again after one space where that gives a different first token but as many tokens (the
+        same word in the middle of a text).
+
+        Args:
+            tokenizer: Anything with `encode(text=..., add_special_tokens=False)`.
+
+        Raises:
+            InvalidRequestError: A word tokenizes to nothing.
+        """
+        ids: list[list[int]] = []
+        for word in self._bad_word_list:
+            bare = tokenizer.encode(text=word.lstrip(), add_special_tokens=False)
+            if not bare:
+                raise _invalid("bad_words", "words that tokenize to at least one token", word)
+            ids.append(list(bare))
+            spaced = tokenizer.encode(text=" " + word.lstrip(), add_special_tokens=False)
+            if spaced and spaced[0] != bare[0] and len(spaced) == len(bare):
+                ids.append(list(spaced))
+        self._bad_words_token_ids = ids
+
+    @property
+    def _bad_word_list(self) -> list[str]:
+        return cast("list[str]", self.bad_words)
+
+    def verify_logprobs(self, max_logprobs: int, vocab_size: int) -> None:
+        """Checks `logprobs` and `prompt_logprobs` against the engine's `max_logprobs`, with
+        vLLM's wording.
+
+        Args:
+            max_logprobs: The engine's limit; -1 allows the whole vocabulary.
+            vocab_size: The model's vocabulary size (what -1 asks for).
+
+        Raises:
+            InvalidRequestError: More logprobs are asked for than `max_logprobs` allows.
+        """
+        limit = vocab_size if max_logprobs == -1 else max_logprobs
+        for name, kind in (("logprobs", "sample"), ("prompt_logprobs", "prompt")):
+            value = getattr(self, name)
+            asked = vocab_size if value == -1 else value
+            if asked and asked > limit:
+                raise InvalidRequestError(
+                    f"Requested {kind} logprobs of {asked}, which is greater than max allowed: {limit} "
+                    f"(`{name}` must be <= max_logprobs ({limit}); raise LLM(max_logprobs=...) or pass -1 "
+                    f"for no limit. Given: {value})")
 
     def clone(self) -> SamplingParams:
         """A deep copy, so the engine can normalise it without touching the caller's object.
@@ -354,3 +432,36 @@ class SamplingParams:
 
 def _logprobs_to_core(value: int | None) -> int | None:
     return _ALL_LOGPROBS_CORE if value == -1 else value
+
+
+@dataclass
+class BeamSearchParams:
+    """Beam search parameters for `LLM.beam_search`, as in vLLM.
+
+    Args:
+        beam_width: Beams kept after each step (>= 1).
+        max_tokens: Most tokens to generate (>= 1).
+        ignore_eos: Keep extending beams that produce EOS instead of finishing them.
+        temperature: Sampling temperature of each step's one-token request (>= 0); the beams'
+            scores use the raw logprobs either way.
+        length_penalty: A finished beam's score is its cumulative logprob divided by its length
+            (prompt included, a final EOS not) to this power.
+        include_stop_str_in_output: Accepted for vLLM's signature; beam search has no stop strings.
+        skip_special_tokens: Leave special tokens out of each sequence's `text`.
+    """
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.beam_width) or self.beam_width < 1:
+            raise _invalid("beam_width", ">= 1", self.beam_width)
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            raise _invalid("max_tokens", ">= 1", self.max_tokens)
+        _check_range("temperature", self.temperature, 0.0, math.inf, "a finite number >= 0")
+        _check_range("length_penalty", self.length_penalty, -math.inf, math.inf, "a finite number")

@@ -70,3 +70,19 @@ def test_chat_answers_sensibly(llm):
     for (question, words), out in zip(questions.items(), outs):
         assert all(w in out.outputs[0].text for w in words), (question, out.outputs[0].text)
         assert out.outputs[0].finish_reason in ("stop", "length")
+
+
+def test_logprob_decoded_tokens_rebuild_multibyte_text(llm):
+    # SmolLM2's byte-level vocabulary splits accented, CJK and emoji characters over tokens: a
+    # partial token's decoded_token is "" and the completing one carries the character, as vLLM.
+    text = "Le café coûte 3€ à Zürich; 日本語のテキスト 🙂🚀 ok"
+    tok = llm.llm_engine.tokenizers.core
+    ids = tok.encode(text, add_special_tokens=False)
+    out = llm.generate([{"prompt_token_ids": ids}],
+                       SamplingParams(max_tokens=4, temperature=0.0, logprobs=2, prompt_logprobs=1), use_tqdm=False)[0]
+    decoded = [entry[t].decoded_token for entry, t in zip(out.prompt_logprobs[1:], ids[1:])]
+    assert all("\ufffd" not in d for d in decoded) and "" in decoded
+    assert "".join(decoded) == tok.decode(ids[1:], skip_special_tokens=False)
+    c = out.outputs[0]
+    if "\ufffd" not in c.text:
+        assert "".join(e[t].decoded_token for e, t in zip(c.logprobs, c.token_ids)) == c.text

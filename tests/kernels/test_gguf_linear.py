@@ -15,7 +15,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
 from ferrollm.exceptions import KernelError
-from ferrollm.kernels.cpu.gguf import dequantize, gguf_linear, gguf_linear_supported
+from ferrollm.kernels.cpu.gguf import dequantize, gguf_linear, gguf_linear_stacked, gguf_linear_supported
 
 Q = GGMLQuantizationType
 TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K]
@@ -63,6 +63,19 @@ def test_matches_dequantize_then_matmul(qtype, rows):
     x = torch.randn(rows, IN_FEATURES, generator=torch.Generator().manual_seed(rows)) * 3
     assert gguf_linear_supported(qtype)
     _check(gguf_linear(x, torch.from_numpy(data), qtype, IN_FEATURES), qtype, x, w)
+
+
+@pytest.mark.parametrize("rows", [1, 4, 9])
+def test_stacked_weights_equal_their_separate_products(rows):
+    # q, k, v as a Q4_K_M file mixes them: the stack is one call, the same numbers as three.
+    parts = [(Q.Q4_K, 24), (Q.Q8_0, 8), (Q.Q6_K, 8)]
+    weights = [(torch.from_numpy(_blocks(t, n, IN_FEATURES, i)), t) for i, (t, n) in enumerate(parts)]
+    x = torch.randn(rows, IN_FEATURES, generator=torch.Generator().manual_seed(rows))
+    bias = torch.randn(40, generator=torch.Generator().manual_seed(9))
+    separate = torch.cat([gguf_linear(x, w, t, IN_FEATURES) for w, t in weights], dim=1) + bias
+    torch.testing.assert_close(gguf_linear_stacked(x, weights, IN_FEATURES, bias), separate, rtol=0, atol=1e-6)
+    with pytest.raises(KernelError, match=r"`bias` must be float32 \[40\]"):
+        gguf_linear_stacked(x, weights, IN_FEATURES, bias[:8])
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q8_0, Q.Q5_K, Q.Q6_K])

@@ -111,15 +111,21 @@ def test_open_gguf_parses_a_file_once_until_it_changes(tmp_path):
 
 
 @pytest.mark.parametrize(("arch", "name"), [("llama", "tiny"), ("llama", "mistral"), ("qwen2", "tiny")])
-def test_config_is_the_one_transformers_builds(tmp_path, arch, name):
+def test_config_is_the_one_transformers_builds(tmp_path, monkeypatch, arch, name):
     from transformers import AutoConfig
 
+    monkeypatch.setenv("FERROLLM_CACHE_ROOT", str(tmp_path / "cache"))
     path = write_gguf(tmp_path / "m.gguf", arch=arch, name=name)
-    config, _ = load_gguf(path)
     reference = AutoConfig.from_pretrained(str(tmp_path), gguf_file="m.gguf")
-    assert type(config) is type(reference)
-    assert config.to_dict() == {**reference.to_dict(), "architectures": config.architectures}
-    assert config.tie_word_embeddings and config.vocab_size == 269
+    expected = {**reference.to_dict(), "architectures": ["x"]}
+    built, _ = load_gguf(path)
+    assert type(built) is type(reference)
+    # The second start reads the attributes back from the cache, without transformers' class.
+    cached, _ = load_gguf(path)
+    assert list((tmp_path / "cache" / "gguf-configs").glob("*.json"))
+    for config in (built, cached):
+        assert {**config.to_dict(), "architectures": ["x"]} == expected
+        assert config.tie_word_embeddings and config.vocab_size == 269
 
 
 def test_weights_are_mapped_or_decoded_by_type(tmp_path, caplog):
@@ -192,3 +198,18 @@ def test_quantized_smollm2_is_kept_in_blocks_read_from_the_file():
         for proj in (layer.mlp.down_proj, layer.mlp.gate_up_proj, layer.self_attn.o_proj):
             data = proj._cpu.segments[0][0]
             assert start <= data.data_ptr() < start + path.stat().st_size  # a view of the file
+
+
+def test_ggml_type_table_agrees_with_gguf_py():
+    import gguf
+
+    from ferrollm.model_executor import ggml_types
+
+    for ggml_type, (name, block_len, block_bytes) in ggml_types._TYPES.items():
+        qtype = gguf.GGMLQuantizationType(ggml_type)
+        assert (qtype.name, *gguf.GGML_QUANT_SIZES[qtype]) == (name, block_len, block_bytes)
+    iq2 = int(gguf.GGMLQuantizationType.IQ2_XXS)  # not in the table: gguf-py answers
+    assert ggml_types.block_size(iq2) == gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.IQ2_XXS]
+    assert ggml_types.type_name(iq2) == "IQ2_XXS" and ggml_types.type_name(999) == "type 999"
+    with pytest.raises(ValueError, match="GGML type 999"):
+        ggml_types.block_size(999)

@@ -1,5 +1,6 @@
 """Engine configuration under vLLM's names."""
 
 from ferrollm.config.compilation import CompilationConfig, CompilationLevel
+from ferrollm.config.vllm_config import VllmConfig
 
-__all__ = ["CompilationConfig", "CompilationLevel"]
+__all__ = ["CompilationConfig", "CompilationLevel", "VllmConfig"]

@@ -14,7 +14,6 @@ renamed file hits, and an edited one misses.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import shutil
@@ -24,19 +23,15 @@ from pathlib import Path
 from typing import Any
 
 from ferrollm.exceptions import TokenizerError
+from ferrollm.file_cache import cache_key, cache_root
 from ferrollm.model_executor.gguf_reader import open_gguf
 
-__all__ = ["cache_root", "gguf_tokenizer_files"]
+__all__ = ["gguf_tokenizer_files"]
 
 logger = logging.getLogger(__name__)
 
 # Bump when what is written to a cache folder changes.
 _CACHE_FORMAT = "1"
-
-
-def cache_root() -> Path:
-    """``$FERROLLM_CACHE_ROOT``, else ``~/.cache/ferrollm``."""
-    return Path(os.environ.get("FERROLLM_CACHE_ROOT") or Path.home() / ".cache" / "ferrollm").expanduser()
 
 
 def gguf_tokenizer_files(gguf_file: Path) -> tuple[Path | None, Any | None]:
@@ -71,8 +66,8 @@ def _cache_key(gguf_file: Path) -> str:
     import tokenizers
     import transformers
 
-    parts = (_CACHE_FORMAT, open_gguf(gguf_file).metadata_digest, transformers.__version__, tokenizers.__version__)
-    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:32]
+    return cache_key(_CACHE_FORMAT, open_gguf(gguf_file).metadata_digest, transformers.__version__,
+                     tokenizers.__version__)
 
 
 def _convert(gguf_file: Path) -> Any:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -23,6 +23,7 @@ from ferrollm.config.compilation import CompilationConfig
 from ferrollm.config.generation_config import default_sampling_fields
 from ferrollm.config.model_config import ModelConfig, build_model_config, text_config_of
 from ferrollm.config.model_source import resolve_model_source
+from ferrollm.config.vllm_config import VllmConfig
 from ferrollm.engine.startup_report import (
     StartupClock,
     activation_workspace_bytes,
@@ -37,6 +38,9 @@ from ferrollm.executor import ExternalLauncherExecutor, MultiprocExecutor
 from ferrollm.executor.launch import check_not_bootstrapping, check_tp_shapes
 from ferrollm.multimodal.inputs import MultiModalInputs
 from ferrollm.multimodal.setup import MultiModalProcessor, build_mm_processor
+from ferrollm.model_executor.sampler import LOGPROBS_MODES
+from ferrollm.v1.sample.logits_processor import STR_POOLING_REJECTS_LOGITSPROCS
+from ferrollm.worker.logits_processors import LogitsProcessorBatch, load_logits_processor_classes, validate_request
 from ferrollm.worker.model_runner import ModelRunner
 from ferrollm.worker.pooling_runner import PoolingModelRunner
 from ferrollm.worker.worker import CacheOptions, Worker
@@ -77,6 +81,11 @@ class EngineArgs:
     limit_mm_per_prompt: dict[str, int] | None = None
     mm_processor_kwargs: dict[str, Any] | None = None
     mm_processor_cache_gb: float | None = None
+    max_logprobs: int = 20
+    logprobs_mode: str = "raw_logprobs"
+    logits_processors: list[Any] | None = None
+    # Filled by `validate` from `logits_processors`.
+    logits_processor_classes: list[Any] = field(default_factory=list, repr=False)
 
     def validate(self) -> None:
         self.compilation_config = CompilationConfig.from_value(self.compilation_config)
@@ -97,6 +106,12 @@ class EngineArgs:
             raise ConfigError(f"`block_size` must be >= 1. Given: {self.block_size}")
         if self.max_num_seqs < 1:
             raise ConfigError(f"`max_num_seqs` must be >= 1. Given: {self.max_num_seqs}")
+        if not isinstance(self.max_logprobs, int) or self.max_logprobs < -1:
+            raise ConfigError(f"`max_logprobs` must be an int >= -1 (-1: no limit). Given: {self.max_logprobs!r}")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ConfigError(f"`logprobs_mode` must be one of {list(LOGPROBS_MODES)}. Given: {self.logprobs_mode!r}")
+        # Imports user modules named by string: a bad name fails before the weights load.
+        self.logits_processor_classes = load_logits_processor_classes(self.logits_processors)
 
 
 def _device(name: str) -> torch.device:
@@ -124,6 +139,12 @@ class LLMEngine:
         self.runner = runner
         # Images through the checkpoint's processor (multimodal models only).
         self.mm_processor: MultiModalProcessor | None = None
+        self.vllm_config = VllmConfig(model_config=model_config, engine_args=args)
+        if isinstance(runner, ModelRunner):
+            runner.sampler.logprobs_mode = args.logprobs_mode
+            if args.logits_processor_classes:
+                runner.logits_processors = LogitsProcessorBatch(
+                    [cls(self.vllm_config, runner.device, False) for cls in args.logits_processor_classes])
         # The model's recommended SamplingParams fields (generation_config.json), for
         # `LLM.get_default_sampling_params`.
         self.default_sampling_fields = default_sampling_fields(
@@ -155,6 +176,9 @@ class LLMEngine:
             tokenizers = load_tokenizers(source, args.tokenizer, args.revision)
             mm_processor = build_mm_processor(args, model_config)
         if model_config.is_pooling:
+            if args.logits_processors:
+                raise ConfigError(f"{STR_POOLING_REJECTS_LOGITSPROCS} `logits_processors` must be empty for "
+                                  f"{model_config.architecture} (runner='pooling'). Given: {args.logits_processors!r}")
             if args.tensor_parallel_size > 1:
                 raise ConfigError("`tensor_parallel_size` must be 1 for a pooling model (runner='pooling'). "
                                   f"Given: {args.tensor_parallel_size}")
@@ -252,6 +276,9 @@ class LLMEngine:
         hashes enter its prefix-cache block hashes."""
         self.check_alive()
         for p in params:
+            validate_request(self.args.logits_processor_classes, p)
+            p.verify_logprobs(self.args.max_logprobs, self.vocab_size)
+            p.update_from_tokenizer(self.tokenizers.core)
             p.verify_token_ids(self.vocab_size)
         mm = list(mm_inputs) if mm_inputs is not None else [None] * len(request_ids)
         prompts = [m.prompt_token_ids if m is not None else p for p, m in zip(prompts, mm)]

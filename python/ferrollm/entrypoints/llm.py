@@ -23,7 +23,8 @@ from ferrollm.multimodal.chat import extract_images, processor_chat_template
 from ferrollm.multimodal.requests import process_multimodal
 from ferrollm.exceptions import InvalidRequestError
 from ferrollm.outputs import RequestOutput
-from ferrollm.sampling_params import SamplingParams
+from ferrollm.beam_search import BeamSearchOutput
+from ferrollm.sampling_params import BeamSearchParams, SamplingParams
 
 ChatMessages = list[dict[str, Any]]
 
@@ -79,6 +80,14 @@ class LLM(PoolingMixin):
             ``min_pixels`` for Qwen2-VL); a prompt's own ``mm_processor_kwargs`` override them.
         mm_processor_cache_gb: GiB of processed images kept by content hash (default
             ``FERROLLM_MM_INPUT_CACHE_GIB`` or ``VLLM_MM_INPUT_CACHE_GIB``, else 4; 0 disables).
+        max_logprobs: the most `logprobs` / `prompt_logprobs` a request may ask for (-1: no
+            limit); more raises a `ValueError` with vLLM's wording.
+        logprobs_mode: what logprobs hold: "raw_logprobs" (default), "raw_logits",
+            "processed_logprobs" or "processed_logits" (after penalties, masks, temperature and
+            the top-k / top-p / min-p filters).
+        logits_processors: custom batch-level logits processors, vLLM v1's `LogitsProcessor`
+            subclasses or their qualified names ("module:Class" or "module.Class"), built once
+            on rank 0 and switched per request through `SamplingParams.extra_args`.
     """
 
     def __init__(
@@ -112,6 +121,9 @@ class LLM(PoolingMixin):
         limit_mm_per_prompt: dict[str, int] | None = None,
         mm_processor_kwargs: dict[str, Any] | None = None,
         mm_processor_cache_gb: float | None = None,
+        max_logprobs: int = 20,
+        logprobs_mode: str = "raw_logprobs",
+        logits_processors: list[Any] | None = None,
     ) -> None:
         args = EngineArgs(
             model=str(model), tokenizer=tokenizer, revision=revision, dtype=dtype, seed=seed,
@@ -126,10 +138,12 @@ class LLM(PoolingMixin):
             compilation_config=compilation_config, quantization=quantization,
             limit_mm_per_prompt=limit_mm_per_prompt, mm_processor_kwargs=mm_processor_kwargs,
             mm_processor_cache_gb=mm_processor_cache_gb,
+            max_logprobs=max_logprobs, logprobs_mode=logprobs_mode, logits_processors=logits_processors,
         )
         self.llm_engine: LLMEngine | None = LLMEngine.from_args(args)
         self._request_counter = itertools.count()
-        self._decoder = LogprobDecoder(self.llm_engine.tokenizers.core)
+        tokenizers = self.llm_engine.tokenizers
+        self._decoder = LogprobDecoder(tokenizers.core, lambda: tokenizers.hf)
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -254,6 +268,26 @@ class LLM(PoolingMixin):
             prompts.append({"prompt": text, "multi_modal_data": {"image": images}} if images else text)
         # The template already holds the special tokens (BOS and the like), as in vLLM.
         return self._generate(prompts, sampling_params, use_tqdm, None, add_special_tokens=False)
+
+    def beam_search(self, prompts: Any, params: BeamSearchParams, lora_request: Any = None,
+                    use_tqdm: bool = False, concurrency_limit: int | None = None) -> list[BeamSearchOutput]:
+        """Generates with beam search, as vLLM's `LLM.beam_search` (entrypoints/beam_search.py).
+
+        Args:
+            prompts: Strings, `{"prompt": ...}` or `{"prompt_token_ids": [...]}` dicts.
+            params: The `BeamSearchParams`; `2 * beam_width` must not exceed `max_logprobs`.
+            lora_request: Must be None (no LoRA support).
+            use_tqdm: Show a progress bar over token steps.
+            concurrency_limit: Most prompts searched at once (None: all).
+
+        Returns:
+            One `BeamSearchOutput` per prompt: its best `beam_width` sequences, best first.
+        """
+        from ferrollm.entrypoints.beam_search import beam_search
+
+        if lora_request is not None:
+            raise NotImplementedError(f"`lora_request` must be None: ferrollm has no LoRA support. Given: {lora_request!r}")
+        return beam_search(self, prompts, params, use_tqdm, concurrency_limit)
 
     def _generate(self, prompts, sampling_params, use_tqdm, priority, add_special_tokens) -> list[RequestOutput]:
         engine = self._engine()

@@ -3,12 +3,23 @@ prompt, with `n` completions), attaching the logprobs the runner gathered."""
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
 from ferrollm._core import EngineCoreOutput, Tokenizer
-from ferrollm.outputs import CompletionOutput, Logprob, RequestOutput
+from ferrollm.entrypoints.logprob_text import LogprobTextDecoder
+from ferrollm.logprobs import (
+    PromptLogprobs,
+    SampleLogprobs,
+    append_logprobs_for_next_position,
+    create_prompt_logprobs,
+    create_sample_logprobs,
+)
+from ferrollm.outputs import CompletionOutput, RequestOutput
+from ferrollm.sampling_params import SamplingParams
 from ferrollm.worker.request_state import CachedRequestState
 
 
@@ -38,24 +49,38 @@ class PendingRequest:
 
 
 class LogprobDecoder:
-    """Builds vLLM's logprob dicts, decoding each token once."""
+    """Builds vLLM's logprob containers (dict lists, or `FlatLogprobs` when asked) for a
+    request's gathered entries.
 
-    def __init__(self, tokenizer: Tokenizer):
-        self.tokenizer = tokenizer
-        self._cache: dict[int, str] = {}
+    Args:
+        tokenizer: The core's tokenizer.
+        hf_tokenizer: A callable returning the transformers tokenizer (see `LogprobTextDecoder`).
+    """
 
-    def text(self, token_id: int) -> str:
-        if token_id not in self._cache:
-            self._cache[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
-        return self._cache[token_id]
+    def __init__(self, tokenizer: Tokenizer, hf_tokenizer: Any = None):
+        self.text = LogprobTextDecoder(tokenizer, hf_tokenizer)
 
-    def entry(self, ids: np.ndarray, lps: np.ndarray, rank: int) -> dict[int, Logprob]:
-        """The sampled (or prompt) token first with its rank, then the top tokens by rank."""
-        d: dict[int, Logprob] = {}
-        for j, (tid, lp) in enumerate(zip(ids.tolist(), lps.tolist())):
-            if tid not in d:
-                d[tid] = Logprob(logprob=lp, rank=rank if j == 0 else j, decoded_token=self.text(tid))
-        return d
+    def build(self, entries: list[tuple[np.ndarray, np.ndarray, int]], chosen: list[int],
+              params: SamplingParams, container: PromptLogprobs | SampleLogprobs, first: int = 0):
+        """Appends one position per entry to `container` and returns it.
+
+        Args:
+            entries: Per position, (chosen token then top k, their values, the chosen rank).
+            chosen: The chosen token of every position so far, this call's included, oldest
+                first; position i's own token is `chosen[first + i]`.
+            params: The request's parameters (`detokenize`).
+            container: A list or `FlatLogprobs`, possibly holding a leading None.
+            first: Index in `chosen` of the first entry's token.
+        """
+        for i, (ids, lps, rank) in enumerate(entries):
+            id_list = ids.tolist()
+            if params.detokenize:
+                pos = first + i
+                texts: Any = self.text.texts(id_list, chosen[max(0, pos - 4):pos])
+            else:
+                texts = itertools.repeat(None)
+            append_logprobs_for_next_position(container, id_list, lps.tolist(), texts, rank)
+        return container
 
 
 def completion(index: int, out: EngineCoreOutput, state: CachedRequestState | None,
@@ -64,7 +89,8 @@ def completion(index: int, out: EngineCoreOutput, state: CachedRequestState | No
     logprobs = cumulative = None
     if state is not None and state.params.logprobs is not None:
         entries = state.sample_logprobs[: len(out.token_ids)]
-        logprobs = [decoder.entry(*e) for e in entries]
+        container = create_sample_logprobs(state.params.flat_logprobs)
+        logprobs = decoder.build(entries, list(out.token_ids), state.params, container)
         cumulative = float(sum(float(e[1][0]) for e in entries))
     return CompletionOutput(
         index=index, text=out.text, token_ids=list(out.token_ids), cumulative_logprob=cumulative,
@@ -72,8 +98,10 @@ def completion(index: int, out: EngineCoreOutput, state: CachedRequestState | No
     )
 
 
-def prompt_logprobs(state: CachedRequestState | None, decoder: LogprobDecoder) -> list | None:
-    """vLLM's layout: None for the first prompt token, then one dict per later token."""
+def prompt_logprobs(state: CachedRequestState | None, decoder: LogprobDecoder) -> PromptLogprobs | None:
+    """vLLM's layout: None for the first prompt token, then one entry per later token. The
+    context of a multi-byte token is the prompt from its second token on, as in vLLM."""
     if state is None or state.params.prompt_logprobs is None:
         return None
-    return [None] + [decoder.entry(*e) for e in state.prompt_logprobs]
+    container = create_prompt_logprobs(state.params.flat_logprobs)
+    return decoder.build(state.prompt_logprobs, state.prompt_token_ids[1:], state.params, container)

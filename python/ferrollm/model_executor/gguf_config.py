@@ -8,6 +8,13 @@ has them, the per-architecture builders of ``transformers.integrations.gguf``), 
 the ones transformers builds; ``tests/models/test_gguf.py`` compares the two. Architectures for
 which transformers' loader does more than rename keys (reading tensors, rebuilding rope scaling)
 are handed to transformers whole: slower, but the same config.
+
+Importing a transformers 5 config class costs ~1.4 s on the development machine (LlamaConfig's
+module pulls in `transformers.activations` and, through it, `torch.distributed.tensor`): more
+than half of a SmolLM2 GGUF's start-up. What the class computes depends only on the file and the
+transformers version, so the built config's attributes are cached (`ferrollm.file_cache`, keyed by
+the metadata digest, the tensor names and that version) and later starts rebuild it as a plain
+`PretrainedConfig` carrying the same attributes, without importing the class.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from typing import Any
 
 from transformers import PretrainedConfig
 
+from ferrollm import file_cache
 from ferrollm.exceptions import UnsupportedModelError
 from ferrollm.model_executor.gguf_reader import GGUFFile
 
@@ -33,12 +41,66 @@ _RENAMED_ARCHS = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
 _ALWAYS_TIED = ("falcon", "bloom")
 
 
+# Bump when what is cached changes.
+_CACHE_FORMAT = "1"
+
+
 def gguf_config(gguf: GGUFFile) -> PretrainedConfig:
-    """The file's config, as ``AutoConfig.from_pretrained(folder, gguf_file=name)`` returns it.
+    """The file's config, as ``AutoConfig.from_pretrained(folder, gguf_file=name)`` returns it
+    (its attributes; from the second start on, on a plain `PretrainedConfig`).
 
     Raises:
         UnsupportedModelError: for an architecture transformers cannot read from GGUF.
     """
+    key = _cache_key(gguf)
+    cached = file_cache.read_json("gguf-configs", key)
+    if cached is not None:
+        return _with_attributes(cached)
+    config = _built_config(gguf)
+    if not getattr(config, "architectures", None):
+        config.architectures = [_causal_lm_arch(config.model_type)]
+    try:
+        file_cache.write_json("gguf-configs", key, config.to_dict())
+    except (OSError, TypeError, ValueError) as e:  # a read-only home, or a value JSON cannot hold
+        logger.info("GGUF config not cached (%s); it is rebuilt at every start", e)
+    return config
+
+
+def _causal_lm_arch(model_type: str) -> str:
+    """The causal-LM class HF maps a model type to: GGUF metadata names a type, not a class."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from ferrollm.model_executor.registry import ModelRegistry
+
+    arch = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
+    if arch is None:
+        raise UnsupportedModelError(
+            f"GGUF model type {model_type!r} has no causal-LM architecture; supported "
+            f"architectures: {ModelRegistry.get_supported_archs()}"
+        )
+    return arch
+
+
+def _cache_key(gguf: GGUFFile) -> str:
+    import transformers
+
+    names = "\n".join(t.name for t in gguf.tensors)
+    return file_cache.cache_key(_CACHE_FORMAT, gguf.metadata_digest, names, transformers.__version__)
+
+
+def _with_attributes(values: dict[str, Any]) -> PretrainedConfig:
+    """A config whose attributes are ``values`` (a config's ``to_dict()``), of a `PretrainedConfig`
+    subclass that only names the model type. The base constructor drops a few values it leaves to
+    subclasses (``use_cache``), so those are set back."""
+    cls = type("CachedGGUFConfig", (PretrainedConfig,), {"model_type": values.get("model_type", "")})
+    config = cls.from_dict(values)
+    for name, value in values.items():
+        if getattr(config, name, None) is None and value is not None:
+            setattr(config, name, value)
+    return config
+
+
+def _built_config(gguf: GGUFFile) -> PretrainedConfig:
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     tensor_names = [t.name for t in gguf.tensors]
@@ -72,7 +134,10 @@ def gguf_config_dict(metadata: dict[str, Any], tensor_names: Sequence[str]) -> d
 def _renamed_config(metadata: dict[str, Any], tensor_names: Sequence[str], arch: str) -> dict[str, Any]:
     """transformers' generic path (`load_gguf_checkpoint`'s config half): every key whose prefix
     and name its `GGUF_CONFIG_MAPPING` knows, renamed, plus its defaults and a few fixes."""
-    from transformers.integrations.ggml import GGUF_CONFIG_DEFAULTS_MAPPING, GGUF_CONFIG_MAPPING
+    from transformers.integrations.ggml import (
+        GGUF_CONFIG_DEFAULTS_MAPPING,
+        GGUF_CONFIG_MAPPING,
+    )
 
     updated = _updated_arch(metadata, arch)
     if arch not in GGUF_CONFIG_MAPPING and updated not in GGUF_CONFIG_MAPPING:

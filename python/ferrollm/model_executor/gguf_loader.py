@@ -23,8 +23,8 @@ from transformers import PretrainedConfig
 
 from ferrollm.exceptions import CheckpointError, UnsupportedModelError
 from ferrollm.model_executor.gguf_config import gguf_config
+from ferrollm.model_executor.ggml_types import block_size, type_name
 from ferrollm.model_executor.gguf_reader import GGUFFile, GGUFTensorInfo, open_gguf
-from ferrollm.model_executor.registry import ModelRegistry
 from ferrollm.model_executor.layers.cpu_weights import release_pages
 from ferrollm.model_executor.layers.quantization.gguf import GGUFConfig
 from ferrollm.model_executor.layers.quantization.qweights import GGUFWeight
@@ -67,26 +67,11 @@ def load_gguf(path: str | Path, quant_config: GGUFConfig | None = None,
     config = gguf_config(gguf)
     # AutoConfig.from_pretrained names the folder it was given.
     config.name_or_path = str(path.parent)
-    if not getattr(config, "architectures", None):
-        config.architectures = [_causal_lm_arch(config.model_type)]
     logger.info("GGUF config of %s built in %.3f s", path.name, time.perf_counter() - start)
     if quant_config is not None:
         names = {gguf_to_hf_name(t.name): t.ggml_type for t in gguf.tensors}
         quant_config.bind({n: t for n, t in names.items() if n is not None}, device or torch.device("cpu"))
     return config, _iterate_gguf(gguf, config, quant_config)
-
-
-def _causal_lm_arch(model_type: str) -> str:
-    """The causal-LM class HF maps a model type to: GGUF metadata names a type, not a class."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    arch = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
-    if arch is None:
-        raise UnsupportedModelError(
-            f"GGUF model type {model_type!r} has no causal-LM architecture; supported "
-            f"architectures: {ModelRegistry.get_supported_archs()}"
-        )
-    return arch
 
 
 # llama.cpp's per-layer tensor names -> HF's (Llama-style architectures).
@@ -126,7 +111,7 @@ def _iterate_gguf(gguf: GGUFFile, config: PretrainedConfig,
                   quant_config: GGUFConfig | None) -> Iterator[tuple[str, torch.Tensor]]:
     from ferrollm.kernels.cpu.gguf import dequantize_supported
 
-    slow = sorted({_type_name(t.ggml_type) for t in gguf.tensors
+    slow = sorted({type_name(t.ggml_type) for t in gguf.tensors
                    if t.ggml_type != _GGML_F32 and not dequantize_supported(t.ggml_type)})
     if slow:
         logger.info("GGUF tensor types %s have no Rust decoder: gguf-py's numpy code dequantizes them (slow)", slow)
@@ -154,9 +139,7 @@ def _iterate_gguf(gguf: GGUFFile, config: PretrainedConfig,
 
 def _blocks(gguf: GGUFFile, info: GGUFTensorInfo) -> GGUFWeight:
     """A 2-D tensor's blocks as the file holds them: a uint8 ``[rows, row_bytes]`` view of the mapping."""
-    import gguf as gguf_py
-
-    block_len, block_bytes = gguf_py.GGML_QUANT_SIZES[gguf_py.GGMLQuantizationType(info.ggml_type)]
+    block_len, block_bytes = block_size(info.ggml_type)
     rows, in_features = info.shape
     data = torch.from_numpy(gguf.tensor_bytes(info).reshape(rows, -1))
     return GGUFWeight(data, info.ggml_type, in_features, block_len, block_bytes)
@@ -187,12 +170,6 @@ def _numpy_dequantize(data: np.ndarray, info: GGUFTensorInfo) -> np.ndarray:
     except NotImplementedError as e:
         raise CheckpointError(f"GGUF tensor {info.name!r} has type {qtype.name}, which cannot be dequantized: {e}") from e
     return np.ascontiguousarray(array, dtype=np.float32).reshape(info.shape)
-
-
-def _type_name(ggml_type: int) -> str:
-    import gguf
-
-    return gguf.GGMLQuantizationType(ggml_type).name
 
 
 def _unpermute_qk(name: str, weight: torch.Tensor, config: PretrainedConfig) -> torch.Tensor:

@@ -207,11 +207,11 @@ def _read_tensor_table(buf: mmap.mmap, pos: int, count: int) -> tuple[list[tuple
 
 
 def _tensor_info(name: str, shape: tuple[int, ...], ggml_type: int, offset: int, size: int) -> GGUFTensorInfo:
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    from ferrollm.model_executor.ggml_types import block_size
 
     try:
-        block_len, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
-    except (KeyError, ValueError):
+        block_len, block_bytes = block_size(ggml_type)
+    except ValueError:
         raise ValueError(f"tensor {name!r} has GGML type {ggml_type}, which gguf-py does not know") from None
     numel = int(np.prod(shape, dtype=np.int64))
     if numel % block_len:

@@ -63,6 +63,9 @@ class SamplingMetadata:
         allowed_token_ids_mask: bool [R, V], True where a row may NOT sample the token.
         logit_bias: (rows, token ids, values) to add, or None.
         min_tokens_stop: (rows, token ids) that may not be sampled yet, or None.
+        bad_words: (rows, token ids) a bad word's last token blocks this step, or None.
+        logits_processors: Custom batch-level processors (vLLM v1's `LogitsProcessor`), run in
+            order; each already knows the step's rows through `update_state`.
     """
 
     temperature: torch.Tensor
@@ -83,6 +86,8 @@ class SamplingMetadata:
     allowed_token_ids_mask: torch.Tensor | None = None
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     min_tokens_stop: tuple[torch.Tensor, torch.Tensor] | None = None
+    bad_words: tuple[torch.Tensor, torch.Tensor] | None = None
+    logits_processors: list[Any] = field(default_factory=list)
 
     @property
     def no_penalties(self) -> bool:
@@ -98,8 +103,10 @@ class SamplingMetadata:
     def edits_logits(self) -> bool:
         """Whether a sampler stage writes into the logits in place (masks, biases, penalties, the
         temperature division); when none does, the sampler needs no private copy of them."""
-        in_place = (self.allowed_token_ids_mask, self.min_tokens_stop, self.logit_bias, self.repetition_penalties)
-        return self.divides_by_temperature or any(stage is not None for stage in in_place)
+        in_place = (self.allowed_token_ids_mask, self.min_tokens_stop, self.logit_bias, self.repetition_penalties,
+                    self.bad_words)
+        return (self.divides_by_temperature or bool(self.logits_processors)
+                or any(stage is not None for stage in in_place))
 
     @property
     def no_top_p(self) -> bool:
@@ -134,6 +141,8 @@ class SamplingMetadata:
         allowed_token_ids: Sequence[Sequence[int] | None] | None = None,
         min_tokens_stop_ids: Sequence[Sequence[int] | None] | None = None,
         max_num_logprobs: int | None = None,
+        bad_words_ids: Sequence[Sequence[int] | None] | None = None,
+        logits_processors: Sequence[Any] = (),
     ) -> SamplingMetadata:
         """Builds one step's metadata from the core's per-request arrays and runner extras.
 
@@ -152,6 +161,8 @@ class SamplingMetadata:
             min_tokens_stop_ids: Per row, the EOS and stop token ids while the request has
                 fewer than `min_tokens` outputs, else None.
             max_num_logprobs: Most logprobs any row asks for (-1: all), or None.
+            bad_words_ids: Per row, the token ids its bad words block this step, or None.
+            logits_processors: The engine's custom logits processors.
 
         Returns:
             The step's `SamplingMetadata`.
@@ -172,6 +183,7 @@ class SamplingMetadata:
             unit_temperature=bool((temperature == 1.0).all()),
             generators=generators,
             max_num_logprobs=max_num_logprobs,
+            logits_processors=list(logits_processors),
         )
         sampling = ~greedy  # filters only matter for the rows that sample
         _set_filters(meta, as_tensor, sampling, np.asarray(top_p), np.asarray(top_k),
@@ -181,6 +193,7 @@ class SamplingMetadata:
         meta.logit_bias = _bias_index(logit_bias, device)
         meta.allowed_token_ids_mask = _allowed_mask(allowed_token_ids, vocab_size, device)
         meta.min_tokens_stop = _index_pairs(min_tokens_stop_ids, device)
+        meta.bad_words = _index_pairs(bad_words_ids, device)
         return meta
 
     @classmethod

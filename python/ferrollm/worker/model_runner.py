@@ -12,6 +12,7 @@ data and dropped when the core reports the request finished.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -66,6 +67,8 @@ class ModelRunner:
         self.device = device
         self.cuda_graphs = cuda_graphs
         self.sampler = Sampler()
+        # The engine's custom logits processors (driver only), set by the engine after start-up.
+        self.logits_processors: Any = None
         self.requests: dict[int, CachedRequestState] = {}
         if device.type == "cpu":
             keep_freed_memory()  # after loading: see cpu_allocator
@@ -86,10 +89,13 @@ class ModelRunner:
 
     def update_states(self, step: SchedulerOutput) -> None:
         """Drops finished requests and adds the new ones, in that order (indices are reused)."""
+        lps = self.logits_processors
         for idx in step.finished_req_indices.tolist():
             state = self.requests.pop(idx, None)
             if state is not None:
                 self._index_of.pop(state.request_id, None)
+            if lps is not None:
+                lps.remove(idx)
         for new in step.scheduled_new_reqs:
             params = self._incoming.pop(new.request_id) if self.is_driver else _worker_params(new.sampling)
             state = CachedRequestState.create(new.request_id, params, new.prompt_token_ids, self.device)
@@ -98,6 +104,8 @@ class ModelRunner:
                 state.mm = RequestMultiModal.create(self.model, mm_inputs)
             self.requests[new.req_index] = state
             self._index_of[new.request_id] = new.req_index
+            if lps is not None:
+                lps.add(new.req_index, params, state.prompt_token_ids, state.output_token_ids)
 
     def release(self, request_id: str) -> CachedRequestState | None:
         """Hands over and forgets the state of a request whose final output the core just gave
@@ -139,6 +147,8 @@ class ModelRunner:
         if not self.is_driver:
             return sampled
         sampling_states = [states[r] for r in rows]
+        if self.logits_processors is not None:
+            self.logits_processors.begin_step(step.req_indices[rows].tolist())
         out = self.sampler(logits, self._sampling_metadata(step, rows, sampling_states))
         sampled[rows] = out.sampled_token_ids.cpu().numpy()
         self._record_samples(sampling_states, sampled[rows], out)
@@ -166,6 +176,8 @@ class ModelRunner:
             allowed_token_ids=[p.allowed_token_ids for p in params] if any(p.allowed_token_ids for p in params) else None,
             min_tokens_stop_ids=self._min_tokens_stop_ids(states),
             max_num_logprobs=(-1 if -1 in logprobs else max(logprobs)) if logprobs else None,
+            bad_words_ids=_bad_word_ids(states),
+            logits_processors=self.logits_processors.active if self.logits_processors else (),
         )
 
     def _min_tokens_stop_ids(self, states: list[CachedRequestState]) -> list[list[int] | None] | None:
@@ -205,9 +217,24 @@ class ModelRunner:
             if not self.is_driver:
                 continue
             targets = torch.tensor(state.prompt_token_ids[start + 1 : end + 1], device=self.device)
-            ids, lps, ranks = compute_prompt_logprobs(logits, targets, k)
+            ids, lps, ranks = compute_prompt_logprobs(logits, targets, k, self.sampler.logprobs_mode)
             ids, lps, ranks = ids.cpu().numpy(), lps.cpu().numpy(), ranks.cpu().numpy()
             state.prompt_logprobs.extend((ids[i], lps[i], int(ranks[i])) for i in range(end - start))
+
+
+def _bad_word_ids(states: list[CachedRequestState]) -> list[list[int] | None] | None:
+    """Per row, the last token of every bad word whose other tokens end the output so far (a
+    one-token word is always blocked), as vLLM matches them: against generated tokens only."""
+    rows: list[list[int] | None] = []
+    for s in states:
+        words = s.params.bad_words_token_ids
+        if not words:
+            rows.append(None)
+            continue
+        out = s.output_token_ids
+        rows.append([w[-1] for w in words
+                     if len(w) <= len(out) + 1 and (len(w) == 1 or out[len(out) - len(w) + 1:] == w[:-1])])
+    return rows if any(rows) else None
 
 
 def _worker_params(options: SamplingOptions) -> SamplingParams:

@@ -47,18 +47,16 @@ pub fn cpu_gguf_linear_supported(ggml_type: u32) -> bool {
     GgmlType::from_id(ggml_type).is_some_and(quant::matmul::supported)
 }
 
-/// `out[rows, out_features] = x[rows, in_features] · Wᵀ + bias` (float32), `W` given by its
-/// blocks of GGML type `ggml_type`: `weight` spans `(address, bytes)` from row 0's first byte to
-/// the last row's last, row `n` starting `n * row_stride` bytes in.
+/// `out[rows, Σ out_features] = x[rows, in_features] · [W₀; W₁; …]ᵀ + bias` (float32): the
+/// weights stacked along the output features, each `(ggml_type, (address, bytes), row_stride,
+/// out_features)`, its bytes spanning row 0's first byte to the last row's last, row `n`
+/// starting `n * row_stride` bytes in.
 #[pyfunction]
-#[pyo3(signature = (ggml_type, weight, row_stride, out_features, in_features, x, rows, bias, out, threads))]
+#[pyo3(signature = (weights, in_features, x, rows, bias, out, threads))]
 #[allow(clippy::too_many_arguments)]
 pub fn cpu_gguf_linear(
     py: Python<'_>,
-    ggml_type: u32,
-    weight: (usize, usize),
-    row_stride: usize,
-    out_features: usize,
+    weights: Vec<(u32, (usize, usize), usize, usize)>,
     in_features: usize,
     x: (usize, usize),
     rows: usize,
@@ -66,15 +64,19 @@ pub fn cpu_gguf_linear(
     out: (usize, usize),
     threads: usize,
 ) -> PyResult<()> {
-    let Some(ggml_type) = GgmlType::from_id(ggml_type) else {
-        return Err(raise("KernelError", format!("GGML type {ggml_type} has no block product")));
-    };
-    // SAFETY: the caller passes live buffers of these lengths (see the module doc); `out` is a
-    // fresh tensor aliasing nothing, and nothing writes the inputs during the call.
-    let (data, x, bias, out) =
-        unsafe { (view::<u8>(weight), view::<f32>(x), bias.map(|b| view::<f32>(b)), view_mut::<f32>(out)) };
-    let weight = QuantWeight { ggml_type, data, row_stride, out_features, in_features };
-    py.detach(|| quant::matmul(&weight, x, rows, bias, out, threads)).map_err(kernel_error)
+    let mut stacked = Vec::with_capacity(weights.len());
+    for (ggml_type, data, row_stride, out_features) in weights {
+        let Some(ggml_type) = GgmlType::from_id(ggml_type) else {
+            return Err(raise("KernelError", format!("GGML type {ggml_type} has no block product")));
+        };
+        // SAFETY: the caller passes live buffers of these lengths (see the module doc), which
+        // nothing writes during the call.
+        let data = unsafe { view::<u8>(data) };
+        stacked.push(QuantWeight { ggml_type, data, row_stride, out_features, in_features });
+    }
+    // SAFETY: as above; `out` is a fresh tensor aliasing nothing.
+    let (x, bias, out) = unsafe { (view::<f32>(x), bias.map(|b| view::<f32>(b)), view_mut::<f32>(out)) };
+    py.detach(|| quant::matmul_stacked(&stacked, x, rows, bias, out, threads)).map_err(kernel_error)
 }
 
 fn run<T: Element>(

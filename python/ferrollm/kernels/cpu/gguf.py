@@ -21,7 +21,7 @@ from ferrollm import _core
 from ferrollm.kernels.cpu import _threads
 from ferrollm.exceptions import KernelError
 
-__all__ = ["dequantize", "dequantize_supported", "gguf_linear", "gguf_linear_supported"]
+__all__ = ["dequantize", "dequantize_supported", "gguf_linear", "gguf_linear_stacked", "gguf_linear_supported"]
 
 _DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 # (elements, bytes) of one block of each type gguf_linear takes: GGML's layouts (ggml-common.h).
@@ -89,6 +89,33 @@ def gguf_linear(x: torch.Tensor, weight: torch.Tensor, ggml_type: int, in_featur
     Raises:
         KernelError: for another type, dtypes or shapes that do not fit.
     """
+    return gguf_linear_stacked(x, [(weight, ggml_type)], in_features, bias)
+
+
+def gguf_linear_stacked(x: torch.Tensor, weights: list[tuple[torch.Tensor, int]], in_features: int,
+                        bias: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`gguf_linear` for a weight the file holds as several tensors (q, k, v; gate, up):
+    ``x @ cat(W₀, W₁, ...).T + bias`` in one call, with one quantization of ``x``, the weights'
+    output features side by side in the result. ``weights`` are ``(blocks, ggml_type)`` pairs as
+    :func:`gguf_linear` takes them, of any supported types; ``bias`` covers all their features."""
+    if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != in_features:
+        raise KernelError(f"`x` must be float32 [rows, {in_features}]. Given: {x.dtype} {list(x.shape)}")
+    stacked = [_weight_buffer(w, t, in_features) for w, t in weights]
+    out_features = sum(s[3] for s in stacked)
+    if bias is not None and (bias.dtype != torch.float32 or tuple(bias.shape) != (out_features,)):
+        raise KernelError(f"`bias` must be float32 [{out_features}]. Given: {bias.dtype} {list(bias.shape)}")
+    x = x.contiguous()
+    bias = None if bias is None else bias.contiguous()
+    out = torch.empty(x.shape[0], out_features, dtype=torch.float32)
+    # `x`, `weights`, `bias` and `out` stay referenced here until the kernel returns.
+    _core.cpu_gguf_linear(stacked, in_features, (x.data_ptr(), x.numel()), x.shape[0],
+                          None if bias is None else (bias.data_ptr(), bias.numel()),
+                          (out.data_ptr(), out.numel()), _threads())
+    return out
+
+
+def _weight_buffer(weight: torch.Tensor, ggml_type: int, in_features: int) -> tuple[int, tuple[int, int], int, int]:
+    """``(ggml_type, (address, bytes), row_stride, out_features)`` of one weight, checked."""
     if ggml_type not in _BLOCKS:
         raise KernelError(f"`ggml_type` must be one of {sorted(_BLOCKS)} (Q4_0 ... Q6_K). Given: {ggml_type}")
     block_len, block_bytes = _BLOCKS[ggml_type]
@@ -98,19 +125,6 @@ def gguf_linear(x: torch.Tensor, weight: torch.Tensor, ggml_type: int, in_featur
     if weight.dtype != torch.uint8 or weight.dim() != 2 or weight.shape[1] != row_bytes or weight.stride(1) != 1:
         raise KernelError(f"`weight` must be uint8 [out_features, {row_bytes}] with stride(1) == 1. Given: "
                           f"{weight.dtype} {list(weight.shape)} strides {list(weight.stride())}")
-    if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != in_features:
-        raise KernelError(f"`x` must be float32 [rows, {in_features}]. Given: {x.dtype} {list(x.shape)}")
-    out_features = weight.shape[0]
-    if bias is not None and (bias.dtype != torch.float32 or tuple(bias.shape) != (out_features,)):
-        raise KernelError(f"`bias` must be float32 [{out_features}]. Given: {bias.dtype} {list(bias.shape)}")
-    x = x.contiguous()
-    bias = None if bias is None else bias.contiguous()
-    out = torch.empty(x.shape[0], out_features, dtype=torch.float32)
-    row_stride = weight.stride(0)
+    out_features, row_stride = weight.shape[0], weight.stride(0)
     span = (out_features - 1) * row_stride + row_bytes if out_features else 0
-    # `x`, `weight`, `bias` and `out` stay referenced here until the kernel returns.
-    _core.cpu_gguf_linear(int(ggml_type), (weight.data_ptr(), span), row_stride, out_features, in_features,
-                          (x.data_ptr(), x.numel()), x.shape[0],
-                          None if bias is None else (bias.data_ptr(), bias.numel()),
-                          (out.data_ptr(), out.numel()), _threads())
-    return out
+    return int(ggml_type), (weight.data_ptr(), span), row_stride, out_features

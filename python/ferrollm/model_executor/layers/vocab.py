@@ -165,9 +165,10 @@ class ParallelLMHead(VocabParallelEmbedding):
         """
         if isinstance(self._cpu, QuantizedLinear):  # GGUF: the org_vocab rows this rank holds
             logits = self._cpu.linear(hidden_states, None)
-            logits = F.pad(logits, (0, self.num_embeddings_per_partition - logits.shape[-1]))
             if self.bias is not None:
-                logits = logits + self.bias
+                logits = logits + self.bias[: logits.shape[-1]]
+            if self.tp_size > 1:  # the gather wants every rank's padded width; one rank only slices
+                logits = F.pad(logits, (0, self.num_embeddings_per_partition - logits.shape[-1]))
         elif self._cpu is not None:
             logits = self._cpu.linear(hidden_states, self.bias)
         else:

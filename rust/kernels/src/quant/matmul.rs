@@ -8,6 +8,11 @@
 //! stay in its L2 cache while every tile passes over them, so memory still serves each weight
 //! byte once per call.
 //!
+//! A layer whose weight the file holds as several tensors (q, k and v; gate and up) passes them
+//! as one stack ([`matmul_stacked`]): their output features side by side in `out`, one team and
+//! one quantization of `x` for all of them, where separate calls paid a fork/join, a quantization
+//! and a concatenation each.
+//!
 //! Invariants: weight row `n` starts at byte `n · row_stride` and holds `in_features /
 //! block_len` whole blocks; a tensor-parallel shard is such a view (the caller slices whole
 //! blocks). Results differ from `x · dequantize(W)ᵀ` by the activation rounding bounded in
@@ -107,7 +112,7 @@ pub fn matmul(
     out: &mut [f32],
     threads: usize,
 ) -> Result<(), KernelError> {
-    matmul_on(Isa::detect(), weight, x, rows, bias, out, threads)
+    matmul_stacked_on(Isa::detect(), std::slice::from_ref(weight), x, rows, bias, out, threads)
 }
 
 /// [`matmul`] with the products compiled for `isa`, which this CPU must have (see
@@ -121,31 +126,112 @@ pub fn matmul_on(
     out: &mut [f32],
     threads: usize,
 ) -> Result<(), KernelError> {
+    matmul_stacked_on(isa, std::slice::from_ref(weight), x, rows, bias, out, threads)
+}
+
+/// [`matmul`] for the weight made of `weights` stacked along the output features (each may be
+/// of its own type; all have the same `in_features`): `out` is `[rows, Σ out_features]`, weight
+/// `j`'s columns after those of `0..j`, and `bias` (if any) covers them all.
+pub fn matmul_stacked(
+    weights: &[QuantWeight<'_>],
+    x: &[f32],
+    rows: usize,
+    bias: Option<&[f32]>,
+    out: &mut [f32],
+    threads: usize,
+) -> Result<(), KernelError> {
+    matmul_stacked_on(Isa::detect(), weights, x, rows, bias, out, threads)
+}
+
+/// [`matmul_stacked`] with the products compiled for `isa`.
+pub fn matmul_stacked_on(
+    isa: Isa,
+    weights: &[QuantWeight<'_>],
+    x: &[f32],
+    rows: usize,
+    bias: Option<&[f32]>,
+    out: &mut [f32],
+    threads: usize,
+) -> Result<(), KernelError> {
     if !Isa::available().contains(&isa) {
         return Err(KernelError::Value { name: "isa", limit: "one this CPU has".into(), value: isa as i64 });
     }
-    weight.check()?;
-    check_len("x", x.len(), rows * weight.in_features)?;
-    check_len("out", out.len(), rows * weight.out_features)?;
-    if let Some(bias) = bias {
-        check_len("bias", bias.len(), weight.out_features)?;
-    }
-    let job = Job {
-        weight,
-        x: QuantizedRows::new(x, weight.in_features, weight.ggml_type.block_len()),
-        rows,
-        bias,
-        kernels: Kernels::new(weight.ggml_type, isa),
+    let Some(first) = weights.first() else {
+        return Err(KernelError::Value { name: "weights", limit: "at least one".into(), value: 0 });
     };
-    let team = threads.min(weight.out_features / MIN_ROWS_PER_THREAD).max(1);
+    let in_features = first.in_features;
+    for weight in weights {
+        weight.check()?;
+        if weight.in_features != in_features {
+            return Err(KernelError::Value {
+                name: "in_features",
+                limit: format!("the same for every stacked weight ({in_features})"),
+                value: weight.in_features as i64,
+            });
+        }
+    }
+    let out_features: usize = weights.iter().map(|w| w.out_features).sum();
+    check_len("x", x.len(), rows * in_features)?;
+    check_len("out", out.len(), rows * out_features)?;
+    if let Some(bias) = bias {
+        check_len("bias", bias.len(), out_features)?;
+    }
+    let quantized = Quantized::new(weights, x);
+    let mut offset = 0;
+    let jobs: Vec<Job<'_>> = weights
+        .iter()
+        .map(|weight| {
+            let job = Job {
+                weight,
+                x: quantized.for_type(weight.ggml_type),
+                rows,
+                bias: bias.map(|b| &b[offset..offset + weight.out_features]),
+                kernels: Kernels::new(weight.ggml_type, isa),
+                offset,
+                out_stride: out_features,
+            };
+            offset += weight.out_features;
+            job
+        })
+        .collect();
+    let team = threads.min(out_features / MIN_ROWS_PER_THREAD).max(1);
     let out = openmp::SharedMut(out.as_mut_ptr());
     openmp::parallel(team, |thread, size| {
-        let span = openmp::share(weight.out_features, thread, size);
-        // SAFETY: threads get disjoint output features (columns of `out`, whose length was
-        // checked), `out` outlives `parallel`, and the kernels were picked for this CPU.
-        unsafe { job.run(span, &out) };
+        let span = openmp::share(out_features, thread, size);
+        for job in &jobs {
+            let local = span.start.max(job.offset)..span.end.min(job.offset + job.weight.out_features);
+            if !local.is_empty() {
+                // SAFETY: threads get disjoint output features (columns of `out`, whose length
+                // was checked), `out` outlives `parallel`, and the kernels were picked for this CPU.
+                unsafe { job.run(local.start - job.offset..local.end - job.offset, &out) };
+            }
+        }
     });
     Ok(())
+}
+
+/// `x` quantized once per activation block length the stacked weights need (32, 256 or both).
+struct Quantized {
+    by_len: Vec<(usize, QuantizedRows)>,
+}
+
+impl Quantized {
+    fn new(weights: &[QuantWeight<'_>], x: &[f32]) -> Self {
+        let in_features = weights[0].in_features;
+        let mut by_len: Vec<(usize, QuantizedRows)> = Vec::new();
+        for weight in weights {
+            let len = weight.ggml_type.block_len();
+            if !by_len.iter().any(|(l, _)| *l == len) {
+                by_len.push((len, QuantizedRows::new(x, in_features, len)));
+            }
+        }
+        Quantized { by_len }
+    }
+
+    fn for_type(&self, t: GgmlType) -> &QuantizedRows {
+        let len = t.block_len();
+        &self.by_len.iter().find(|(l, _)| *l == len).expect("quantized for every weight's type").1
+    }
 }
 
 /// The products for tiles of 1 to [`MAX_TILE`] rows.
@@ -168,20 +254,24 @@ impl Kernels {
     }
 }
 
+/// One stacked weight's share of the product: its columns start at `offset` in rows of
+/// `out_stride` floats of `out`.
 struct Job<'a> {
     weight: &'a QuantWeight<'a>,
-    x: QuantizedRows,
+    x: &'a QuantizedRows,
     rows: usize,
     bias: Option<&'a [f32]>,
     kernels: Kernels,
+    offset: usize,
+    out_stride: usize,
 }
 
 impl Job<'_> {
-    /// Output features `span` for every row.
+    /// Output features `span` (of this weight) for every row.
     ///
     /// # Safety
-    /// `out` addresses `rows * out_features` floats of which no other thread writes the columns
-    /// in `span`; the kernels run on this CPU.
+    /// `out` addresses `rows * out_stride` floats of which no other thread writes the columns
+    /// `offset + span`; the kernels run on this CPU.
     unsafe fn run(&self, span: Range<usize>, out: &openmp::SharedMut<f32>) {
         let chunk = (CHUNK_BYTES / self.weight.row_bytes().max(1)).max(1);
         let mut start = span.start;
@@ -214,12 +304,11 @@ impl Job<'_> {
         first: usize,
         out: &openmp::SharedMut<f32>,
     ) {
-        let out_features = self.weight.out_features;
         for n in features {
             let dots = dot(self.weight.row(n), &xs);
             let bias = self.bias.map_or(0.0, |b| b[n]);
             for (r, dot) in dots.into_iter().enumerate() {
-                *out.get().add((first + r) * out_features + n) = dot + bias;
+                *out.get().add((first + r) * self.out_stride + self.offset + n) = dot + bias;
             }
         }
     }
@@ -265,6 +354,44 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn stacked_weights_of_mixed_types_match_separate_products() {
+        let in_features = 512;
+        let parts = [(GgmlType::Q8_0, 21), (GgmlType::Q4K, 5), (GgmlType::Q4_1, 40)];
+        let built: Vec<_> = parts.iter().map(|&(t, out)| weight(t, out, in_features, 3)).collect();
+        let weights: Vec<_> = parts
+            .iter()
+            .zip(&built)
+            .map(|(&(ggml_type, out_features), (data, _, stride))| QuantWeight {
+                ggml_type,
+                data,
+                row_stride: *stride,
+                out_features,
+                in_features,
+            })
+            .collect();
+        let total: usize = parts.iter().map(|p| p.1).sum();
+        for rows in [1, 2, 5] {
+            let (x, b) = (values(rows * in_features, 5), values(total, 6));
+            let mut stacked = vec![0.0f32; rows * total];
+            matmul_stacked(&weights, &x, rows, Some(&b), &mut stacked, 2).unwrap();
+            let mut offset = 0;
+            for w in &weights {
+                let mut alone = vec![0.0f32; rows * w.out_features];
+                let bias = &b[offset..offset + w.out_features];
+                matmul(w, &x, rows, Some(bias), &mut alone, 1).unwrap();
+                for r in 0..rows {
+                    let got = &stacked[r * total + offset..][..w.out_features];
+                    assert_eq!(got, &alone[r * w.out_features..][..w.out_features], "rows={rows}");
+                }
+                offset += w.out_features;
+            }
+        }
+        let other = QuantWeight { in_features: 256, ..weights[0] };
+        let err = matmul_stacked(&[weights[0], other], &values(512, 1), 1, None, &mut [0.0; 42], 1);
+        assert!(err.unwrap_err().to_string().contains("the same for every stacked weight (512). Given: 256"));
     }
 
     #[test]

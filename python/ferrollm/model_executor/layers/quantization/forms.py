@@ -36,7 +36,9 @@ class QuantizedLinear:
         w = self.source
         if isinstance(w, list):  # GGUF segments, each read where the file holds it (CPU only)
             self.kind = "gguf"
-            self.segments = [(s.data, s.ggml_type, s.in_features) for s in w]
+            # Stacked along the output features in one kernel call (q, k, v; gate, up).
+            self.segments = [(s.data, s.ggml_type) for s in w]
+            self.in_features = w[0].in_features
             return
         self.kind = type(w).__name__
         on_cpu = self.on_cpu
@@ -74,11 +76,9 @@ class QuantizedLinear:
         k = _kernels(self.on_cpu)
         w = self.source
         if self.kind == "gguf":
-            from ferrollm.kernels.cpu.gguf import gguf_linear
+            from ferrollm.kernels.cpu.gguf import gguf_linear_stacked
 
-            outs = [gguf_linear(x, data, t, n) for data, t, n in self.segments]
-            y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
-            return y if bias is None else y + bias
+            return gguf_linear_stacked(x, self.segments, self.in_features, bias)
         if isinstance(w, qw.IntWeight):
             if w.perm is not None:
                 x = x[:, w.perm].contiguous()
@@ -110,7 +110,7 @@ class QuantizedLinear:
 
     def tensors(self) -> dict[int, int]:
         """Bytes held, by address (for the start-up log's weight bytes)."""
-        held = [self.packed] if hasattr(self, "packed") else [d for d, _, _ in getattr(self, "segments", [])]
+        held = [self.packed] if hasattr(self, "packed") else [d for d, _ in getattr(self, "segments", [])]
         w = self.source
         for name in ("scales", "mins", "scale"):
             t = getattr(w, name, None)

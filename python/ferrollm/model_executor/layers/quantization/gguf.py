@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from ferrollm.model_executor.ggml_types import type_name
 from ferrollm.model_executor.layers.quantization import qweights as qw
 from ferrollm.model_executor.layers.quantization.base_config import LinearQuantMethod, QuantizationConfig
 
@@ -44,8 +45,8 @@ class GGUFConfig(QuantizationConfig):
     def bind(self, types: dict[str, int], device: torch.device) -> None:
         """The file's tensor types by HF name, and where the model runs."""
         self.types, self.device = types, device
-        kept = sorted({_type_name(t) for n, t in types.items() if self.keeps(n)})
-        other = sorted({_type_name(t) for n, t in types.items()
+        kept = sorted({type_name(t) for n, t in types.items() if self.keeps(n)})
+        other = sorted({type_name(t) for n, t in types.items()
                         if not self.keeps(n) and (_is_projection(n) or n in _VOCAB_TABLES)})
         logger.info("GGUF projections kept quantized: %s; dequantized at load: %s", kept or "none", other or "none")
 
@@ -101,12 +102,6 @@ def _has_kernel(ggml_type: int | None) -> bool:
     from ferrollm.kernels.cpu.gguf import gguf_linear_supported
 
     return gguf_linear_supported(ggml_type)
-
-
-def _type_name(ggml_type: int) -> str:
-    import gguf
-
-    return gguf.GGMLQuantizationType(ggml_type).name
 
 
 _Q8_0 = 8

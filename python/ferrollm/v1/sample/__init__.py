@@ -1,0 +1,1 @@
+"""vLLM v1's sampling names (`vllm.v1.sample`)."""
