@@ -6,7 +6,7 @@ native module :mod:`ferrollm._core`; this package is its Python front.
 
 from __future__ import annotations
 
-from ferrollm import exceptions
+from ferrollm import exceptions, inputs, logprobs
 from ferrollm._core import (
     EngineCore,
     EngineCoreOutput,
@@ -17,6 +17,7 @@ from ferrollm._core import (
     __version__,
 )
 from ferrollm.config.pooler_config import PoolerConfig
+from ferrollm.inputs import PromptType, TextPrompt, TokensPrompt
 from ferrollm.logger import configure_logging
 from ferrollm.outputs import (
     CompletionOutput,
@@ -30,12 +31,14 @@ from ferrollm.outputs import (
     ScoringRequestOutput,
 )
 from ferrollm.pooling_params import PoolingParams
-from ferrollm.sampling_params import RequestOutputKind, SamplingParams
+from ferrollm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 configure_logging()
 
 __all__ = [
     "LLM",
+    "BeamSearchParams",
+    "EngineArgs",
     "CompletionOutput",
     "EmbeddingOutput",
     "EmbeddingRequestOutput",
@@ -47,15 +50,20 @@ __all__ = [
     "PoolingOutput",
     "PoolingParams",
     "PoolingRequestOutput",
+    "PromptType",
     "RequestOutput",
     "RequestOutputKind",
     "SamplingOptions",
     "SamplingParams",
     "SchedulerOutput",
+    "TextPrompt",
+    "TokensPrompt",
     "ScoringOutput",
     "ScoringRequestOutput",
     "Tokenizer",
     "exceptions",
+    "inputs",
+    "logprobs",
     "__version__",
 ]
 
@@ -66,4 +74,8 @@ def __getattr__(name: str):
         from ferrollm.entrypoints.llm import LLM
 
         return LLM
+    if name == "EngineArgs":  # vLLM exports it at the top level too; it imports torch
+        from ferrollm.engine.arg_utils import EngineArgs
+
+        return EngineArgs
     raise AttributeError(f"module 'ferrollm' has no attribute {name!r}")

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 __all__ = [
     "FerroLLMError",
+    "VLLMValidationError",
     "InvalidRequestError",
     "PromptTooLongError",
     "DuplicateRequestError",
     "ConfigError",
+    "UnsupportedOptionError",
     "KVCacheTooSmallError",
     "UnsupportedModelError",
     "CheckpointError",
@@ -32,7 +34,24 @@ class FerroLLMError(Exception):
     """Base class of every ferrollm error."""
 
 
-class InvalidRequestError(FerroLLMError, ValueError):
+class VLLMValidationError(FerroLLMError, ValueError):
+    """vLLM's name for a request that failed validation (`vllm.exceptions.VLLMValidationError`),
+    so ``except vllm.exceptions.VLLMValidationError`` catches ferrollm's refusals; every
+    `InvalidRequestError` is one. A ValueError, as ferrollm's request errors always were.
+
+    Args:
+        message: what is wrong.
+        parameter: the parameter that failed, when known (vLLM's keyword).
+        value: the value given, when known (vLLM's keyword).
+    """
+
+    def __init__(self, message: str = "", *, parameter: str | None = None, value: object = None) -> None:
+        super().__init__(message)
+        self.parameter = parameter
+        self.value = value
+
+
+class InvalidRequestError(VLLMValidationError):
     """A request parameter is out of range; the message names it, the bound and the value."""
 
 
@@ -46,6 +65,12 @@ class DuplicateRequestError(InvalidRequestError):
 
 class ConfigError(FerroLLMError, ValueError):
     """An engine option is invalid; the message names it, the bound and the value."""
+
+
+class UnsupportedOptionError(ConfigError, NotImplementedError):
+    """An engine option of vLLM's that ferrollm does not implement was set to a value other than
+    vLLM's default; the message names the option, the value and why. Both a ValueError and a
+    NotImplementedError, so either ``except`` catches it."""
 
 
 class KVCacheTooSmallError(ConfigError):

@@ -66,6 +66,12 @@ def _check_range(name: str, value: Any, lo: float, hi: float, bound: str) -> Non
         raise _invalid(name, bound, value)
 
 
+def _check_finite(name: str, value: Any, bound: str) -> None:
+    """Raises for NaN and infinities with vLLM's wording ("temperature must be a finite number")."""
+    if _is_number(value) and not math.isfinite(value):
+        raise _invalid(name, f"{bound} ({name} must be a finite number)", value)
+
+
 def _check_token_ids(name: str, ids: Any) -> list[int]:
     """Returns `ids` as a list, raising unless it is a sequence of non-negative ints."""
     if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
@@ -253,9 +259,11 @@ class SamplingParams:
         _check_range("presence_penalty", self.presence_penalty, -2.0, 2.0, "in [-2, 2]")
         _check_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0, "in [-2, 2]")
         # vLLM >= 0.8.4 has no upper bound; the core checks the same rule.
+        _check_finite("repetition_penalty", self.repetition_penalty, "a finite number > 0")
         _check_range("repetition_penalty", self.repetition_penalty, 0.0, math.inf, "a finite number > 0")
         if self.repetition_penalty == 0.0:
             raise _invalid("repetition_penalty", "a finite number > 0", self.repetition_penalty)
+        _check_finite("temperature", self.temperature, "a finite number >= 0")
         _check_range("temperature", self.temperature, 0.0, math.inf, "a finite number >= 0")
         _check_range("top_p", self.top_p, 0.0, 1.0, "in (0, 1]")
         if self.top_p == 0.0:
@@ -267,10 +275,12 @@ class SamplingParams:
     def _verify_lengths(self) -> None:
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
             raise _invalid("max_tokens", ">= 1 or None", self.max_tokens)
+        # vLLM's wording in parentheses: scripts match on it.
         if not _is_int(self.min_tokens) or self.min_tokens < 0:
-            raise _invalid("min_tokens", ">= 0", self.min_tokens)
+            raise _invalid("min_tokens", ">= 0 (min_tokens must be greater than or equal to 0)", self.min_tokens)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise _invalid("min_tokens", f"<= max_tokens ({self.max_tokens})", self.min_tokens)
+            raise _invalid("min_tokens", f"<= max_tokens ({self.max_tokens}) (min_tokens must be less than or "
+                           "equal to max_tokens)", self.min_tokens)
 
     def _verify_logprobs(self) -> None:
         for name in ("logprobs", "prompt_logprobs"):
@@ -354,6 +364,10 @@ class SamplingParams:
         Raises:
             InvalidRequestError: A word tokenizes to nothing.
         """
+        if self._bad_word_list and tokenizer is None:
+            raise InvalidRequestError("`bad_words` needs the tokenizer, which `skip_tokenizer_init=True` leaves "
+                                      f"out; pass token ids in `allowed_token_ids` or `logit_bias` instead. "
+                                      f"Given: {self._bad_word_list!r}")
         ids: list[list[int]] = []
         for word in self._bad_word_list:
             bare = tokenizer.encode(text=word.lstrip(), add_special_tokens=False)
@@ -447,7 +461,9 @@ class BeamSearchParams:
         length_penalty: A finished beam's score is its cumulative logprob divided by its length
             (prompt included, a final EOS not) to this power.
         include_stop_str_in_output: Accepted for vLLM's signature; beam search has no stop strings.
+        structured_outputs: vLLM's structured outputs (must be None here).
         skip_special_tokens: Leave special tokens out of each sequence's `text`.
+        watermarking: vLLM's watermarking switch (must be None here).
     """
 
     beam_width: int
@@ -456,7 +472,9 @@ class BeamSearchParams:
     temperature: float = 0.0
     length_penalty: float = 1.0
     include_stop_str_in_output: bool = False
+    structured_outputs: Any = None
     skip_special_tokens: bool = True
+    watermarking: bool | None = None
 
     def __post_init__(self) -> None:
         if not _is_int(self.beam_width) or self.beam_width < 1:
@@ -465,3 +483,6 @@ class BeamSearchParams:
             raise _invalid("max_tokens", ">= 1", self.max_tokens)
         _check_range("temperature", self.temperature, 0.0, math.inf, "a finite number >= 0")
         _check_range("length_penalty", self.length_penalty, -math.inf, math.inf, "a finite number")
+        for name in ("structured_outputs", "watermarking"):
+            if getattr(self, name) is not None:
+                raise _invalid(name, "None (not supported by ferrollm)", getattr(self, name))

@@ -118,6 +118,15 @@ def test_zero_limit_skips_the_vision_tower(qwen2_vl):
         _check_against_transformers(llm, hf_model, [("text still works", [])])
 
 
+def test_language_model_only_skips_the_vision_tower(qwen2_vl):
+    folder, _ = qwen2_vl
+    with _llm(folder, language_model_only=True) as llm:
+        assert llm.llm_engine.generation_runner.model.visual is None
+        with pytest.raises(ValueError, match=r"At most 0 image"):
+            llm.generate({"prompt": IMAGE, "multi_modal_data": {"image": random_image(0, 56, 56)}},
+                         GREEDY, use_tqdm=False)
+
+
 def _num_image_tokens(llm: LLM, image, **request_kwargs) -> int:
     prompt = {"prompt": IMAGE, "multi_modal_data": {"image": image}}
     if request_kwargs:

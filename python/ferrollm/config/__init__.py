@@ -1,6 +1,6 @@
 """Engine configuration under vLLM's names."""
 
 from ferrollm.config.compilation import CompilationConfig, CompilationLevel
-from ferrollm.config.vllm_config import VllmConfig
+from ferrollm.config.vllm import VllmConfig
 
 __all__ = ["CompilationConfig", "CompilationLevel", "VllmConfig"]

@@ -122,6 +122,27 @@ class ModelConfig:
     def is_pooling(self) -> bool:
         return self.runner_type == "pooling"
 
+    @property
+    def hf_text_config(self) -> Any:
+        """The language model's part of the config (the config itself for text-only models)."""
+        return getattr(self.hf_config, "text_config", None) or self.hf_config
+
+    def get_vocab_size(self) -> int:
+        """The model's vocabulary size (vLLM's `get_vocab_size`)."""
+        return int(self.hf_text_config.vocab_size)
+
+    def get_hidden_size(self) -> int:
+        """The model's hidden size (vLLM's `get_hidden_size`)."""
+        return int(self.hf_text_config.hidden_size)
+
+    @property
+    def embedding_size(self) -> int:
+        """The length of a pooling model's embeddings, as vLLM's `embedding_size`: the config's
+        own `embedding_size` when it sets one, else the hidden size (ferrollm applies no
+        sentence-transformers Dense layer, so the pooled hidden state is the embedding)."""
+        override = getattr(self.hf_config, "embedding_size", None)
+        return int(override) if override is not None else self.get_hidden_size()
+
 
 def build_model_config(
     source: ModelSource,

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -23,95 +22,29 @@ from ferrollm.config.compilation import CompilationConfig
 from ferrollm.config.generation_config import default_sampling_fields
 from ferrollm.config.model_config import ModelConfig, build_model_config, text_config_of
 from ferrollm.config.model_source import resolve_model_source
-from ferrollm.config.vllm_config import VllmConfig
+from ferrollm.config.vllm import VllmConfig, build_vllm_config
+from ferrollm.engine.arg_utils import EngineArgs
 from ferrollm.engine.startup_report import (
     StartupClock,
     activation_workspace_bytes,
     log_memory,
     model_weight_bytes,
 )
-from ferrollm.engine.tokenizer_loader import Tokenizers, load_tokenizers
-from ferrollm.exceptions import ConfigError, EngineError
+from ferrollm.engine.stats import StatsTracker
+from ferrollm.model_executor.dummy_weights import check_dummy_source, dummy_weights
+from ferrollm.engine.tokenizer_loader import SKIPPED, Tokenizers, load_tokenizers
+from ferrollm.exceptions import ConfigError, EngineError, InvalidRequestError
 from ferrollm.pooling_params import PoolingParams
 from ferrollm.sampling_params import SamplingParams
 from ferrollm.executor import ExternalLauncherExecutor, MultiprocExecutor
 from ferrollm.executor.launch import check_not_bootstrapping, check_tp_shapes
 from ferrollm.multimodal.inputs import MultiModalInputs
 from ferrollm.multimodal.setup import MultiModalProcessor, build_mm_processor
-from ferrollm.model_executor.sampler import LOGPROBS_MODES
 from ferrollm.v1.sample.logits_processor import STR_POOLING_REJECTS_LOGITSPROCS
-from ferrollm.worker.logits_processors import LogitsProcessorBatch, load_logits_processor_classes, validate_request
+from ferrollm.worker.logits_processors import LogitsProcessorBatch, validate_request
 from ferrollm.worker.model_runner import ModelRunner
 from ferrollm.worker.pooling_runner import PoolingModelRunner
 from ferrollm.worker.worker import CacheOptions, Worker
-
-
-# The step channel serves up to 112 readers; no machine has that many accelerators.
-MAX_TP_SIZE = 64
-
-
-@dataclass
-class EngineArgs:
-    """The engine options `LLM` accepts, with vLLM's names and defaults."""
-
-    model: str
-    tokenizer: str | None = None
-    revision: str | None = None
-    dtype: str | torch.dtype = "auto"
-    seed: int | None = None
-    max_model_len: int | None = None
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None
-    block_size: int = 16
-    enable_prefix_caching: bool = True
-    hf_overrides: Any = None
-    device: str = "auto"
-    gpu_memory_utilization: float = 0.9
-    enforce_eager: bool = False
-    tensor_parallel_size: int = 1
-    distributed_executor_backend: str | None = None
-    load_format: str = "auto"
-    runner: str = "auto"
-    convert: str = "auto"
-    pooler_config: Any = None
-    generation_config: str = "auto"
-    override_generation_config: dict[str, Any] | None = None
-    compilation_config: CompilationConfig | dict[str, Any] | int | None = None
-    quantization: str | None = None
-    limit_mm_per_prompt: dict[str, int] | None = None
-    mm_processor_kwargs: dict[str, Any] | None = None
-    mm_processor_cache_gb: float | None = None
-    max_logprobs: int = 20
-    logprobs_mode: str = "raw_logprobs"
-    logits_processors: list[Any] | None = None
-    # Filled by `validate` from `logits_processors`.
-    logits_processor_classes: list[Any] = field(default_factory=list, repr=False)
-
-    def validate(self) -> None:
-        self.compilation_config = CompilationConfig.from_value(self.compilation_config)
-        if not isinstance(self.tensor_parallel_size, int) or not 1 <= self.tensor_parallel_size <= MAX_TP_SIZE:
-            raise ConfigError(f"`tensor_parallel_size` must be an int >= 1 and <= {MAX_TP_SIZE}. Given: {self.tensor_parallel_size!r}")
-        if self.distributed_executor_backend not in (None, "mp", "external_launcher"):
-            raise ConfigError(
-                "`distributed_executor_backend` must be 'mp', 'external_launcher' or None (ferrollm spawns "
-                "tensor-parallel ranks on this machine, or joins ranks torchrun started; Ray is not "
-                f"supported). Given: {self.distributed_executor_backend!r}")
-        from ferrollm.model_executor.loader import LOAD_FORMATS
-
-        if self.load_format not in LOAD_FORMATS:
-            raise ConfigError(f"`load_format` must be one of {list(LOAD_FORMATS)}. Given: {self.load_format!r}")
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ConfigError(f"`gpu_memory_utilization` must be in (0, 1]. Given: {self.gpu_memory_utilization}")
-        if self.block_size < 1:
-            raise ConfigError(f"`block_size` must be >= 1. Given: {self.block_size}")
-        if self.max_num_seqs < 1:
-            raise ConfigError(f"`max_num_seqs` must be >= 1. Given: {self.max_num_seqs}")
-        if not isinstance(self.max_logprobs, int) or self.max_logprobs < -1:
-            raise ConfigError(f"`max_logprobs` must be an int >= -1 (-1: no limit). Given: {self.max_logprobs!r}")
-        if self.logprobs_mode not in LOGPROBS_MODES:
-            raise ConfigError(f"`logprobs_mode` must be one of {list(LOGPROBS_MODES)}. Given: {self.logprobs_mode!r}")
-        # Imports user modules named by string: a bad name fails before the weights load.
-        self.logits_processor_classes = load_logits_processor_classes(self.logits_processors)
 
 
 def _device(name: str) -> torch.device:
@@ -139,12 +72,17 @@ class LLMEngine:
         self.runner = runner
         # Images through the checkpoint's processor (multimodal models only).
         self.mm_processor: MultiModalProcessor | None = None
-        self.vllm_config = VllmConfig(model_config=model_config, engine_args=args)
+        # KV blocks allocated; `_from_workers` sets the exact count (a pooling engine's core
+        # holds them all free at start).
+        self.num_gpu_blocks = int(core.stats()["num_free_blocks"])
+        # Per-request timing and the throughput log, unless disabled (`LLM` disables them).
+        self.stats = None if args.disable_log_stats else StatsTracker()
         if isinstance(runner, ModelRunner):
             runner.sampler.logprobs_mode = args.logprobs_mode
             if args.logits_processor_classes:
+                vllm_config = self.vllm_config
                 runner.logits_processors = LogitsProcessorBatch(
-                    [cls(self.vllm_config, runner.device, False) for cls in args.logits_processor_classes])
+                    [cls(vllm_config, runner.device, False) for cls in args.logits_processor_classes])
         # The model's recommended SamplingParams fields (generation_config.json), for
         # `LLM.get_default_sampling_params`.
         self.default_sampling_fields = default_sampling_fields(
@@ -165,15 +103,18 @@ class LLMEngine:
             # for it (~0.5 s here).
             import transformers.configuration_utils  # noqa: F401
         with clock.phase("config"):
-            source = resolve_model_source(args.model, args.revision)
-            hf_config, weights = _read_checkpoint(source)
+            source = resolve_model_source(args.model, args.revision, args.download_dir, args.hf_token)
+            hf_config, weights = _read_checkpoint(source, args.use_tqdm_on_load)
+            if args.load_format == "dummy":
+                check_dummy_source(hf_config, source.is_gguf)
             model_config = build_model_config(
                 source, hf_config, hf_overrides=args.hf_overrides, dtype=args.dtype,
                 max_model_len=args.max_model_len, device=device, runner=args.runner, convert=args.convert,
                 pooler_config=args.pooler_config, quantization=args.quantization,
             )
         with clock.phase("tokenizer"):
-            tokenizers = load_tokenizers(source, args.tokenizer, args.revision)
+            tokenizers = (Tokenizers(None) if args.skip_tokenizer_init
+                          else load_tokenizers(source, args.tokenizer, args.revision, args.tokenizer_mode))
             mm_processor = build_mm_processor(args, model_config)
         if model_config.is_pooling:
             if args.logits_processors:
@@ -185,7 +126,8 @@ class LLMEngine:
             from ferrollm.model_executor.loader import get_model
 
             with clock.phase("weights"):
-                model = get_model(model_config.hf_config, model_config.dtype, weights(), device=device,
+                stream = dummy_weights(model_config.hf_config) if args.load_format == "dummy" else weights()
+                model = get_model(model_config.hf_config, model_config.dtype, stream, device=device,
                                   quant_config=model_config.quant_config)
             core, runner = _build_pooling_core(args, model_config, model, tokenizers, device)
             clock.log()
@@ -210,7 +152,8 @@ class LLMEngine:
                                        enforce_eager=args.enforce_eager or device.type != "cuda")
         options = CacheOptions(block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                                max_num_batched_tokens=batched, gpu_memory_utilization=args.gpu_memory_utilization,
-                               load_format=args.load_format, compilation_config=compilation,
+                               load_format=args.load_format, use_tqdm_on_load=args.use_tqdm_on_load,
+                               compilation_config=compilation,
                                encoder_budget=max(batched, tokens_per_mm_item) if tokens_per_mm_item else 0,
                                tokens_per_mm_item=tokens_per_mm_item)
         executor: MultiprocExecutor | ExternalLauncherExecutor | None = None
@@ -234,7 +177,7 @@ class LLMEngine:
             load_seconds = time.perf_counter() - start
             with clock.phase("KV cache"):
                 core = _build_core(args, mc, driver.sliding_window(), num_blocks, tokenizers, options.encoder_budget)
-                run("init_kv_cache", num_blocks, tokenizers.core.eos_token_ids)
+                run("init_kv_cache", num_blocks, tokenizers.eos_token_ids)
         except BaseException:
             if executor is not None:
                 executor.shutdown(graceful=False)
@@ -244,10 +187,22 @@ class LLMEngine:
         assert driver.runner is not None
         engine = cls(args, mc, tokenizers, core, driver.runner, executor)
         engine.model_load_seconds = load_seconds
+        engine.num_gpu_blocks = num_blocks
         # Rank 0's GPU start-up measurements (None on the CPU), for logs and tests.
         engine.memory_profile = driver.memory_profile
         _log_memory(args, mc, driver.runner, num_blocks)
         return engine
+
+    @property
+    def vllm_config(self) -> VllmConfig:
+        """The resolved configuration under vLLM's names (a read-out, see config/vllm.py)."""
+        return build_vllm_config(self.args, self.model_config, self.num_gpu_blocks,
+                                 _batched_tokens(self.args, self.model_config.max_model_len))
+
+    def get_num_unfinished_requests(self) -> int:
+        """Requests (each of a prompt's `n` sequences counts) waiting or running."""
+        s = self.core.stats()
+        return int(s["num_running"]) + int(s["num_waiting"])
 
     @property
     def generation_runner(self) -> ModelRunner:
@@ -282,12 +237,29 @@ class LLMEngine:
             p.verify_token_ids(self.vocab_size)
         mm = list(mm_inputs) if mm_inputs is not None else [None] * len(request_ids)
         prompts = [m.prompt_token_ids if m is not None else p for p, m in zip(prompts, mm)]
+        prompts = self._encoded(prompts, add_special_tokens)
         features = [m.core_features() if m is not None else [] for m in mm]
         self.core.add_requests(request_ids, list(prompts), [p.to_core() for p in params],
                                priorities=priorities, add_special_tokens=add_special_tokens,
                                mm_features=features if any(features) else None)
+        if self.stats is not None:
+            self.stats.on_add(request_ids)
         for rid, p, m in zip(request_ids, params, mm):
             self.generation_runner.add_request_params(rid, p, m)
+
+    def _encoded(self, prompts: Sequence[str | list[int]], add_special_tokens: bool) -> list[str | list[int]]:
+        """Text prompts stay text for the core to encode in parallel, unless the tokenizer mode
+        encodes in Python ("slow") or there is no tokenizer (`skip_tokenizer_init`)."""
+        texts = [i for i, p in enumerate(prompts) if isinstance(p, str)]
+        if not texts or not (self.tokenizers.encode_in_python or self.tokenizers.core is None):
+            return list(prompts)
+        if self.tokenizers.core is None:
+            raise InvalidRequestError(f"{SKIPPED}: prompt {texts[0]} is text; pass "
+                                      "{'prompt_token_ids': [...]} (a TokensPrompt) instead")
+        out = list(prompts)
+        for i, ids in zip(texts, self.tokenizers.encode_batch([prompts[i] for i in texts], add_special_tokens)):
+            out[i] = ids
+        return out
 
     def add_pooling_requests(self, request_ids: list[str], prompts: list[list[int]],
                              params: list[PoolingParams]) -> None:
@@ -317,18 +289,20 @@ class LLMEngine:
             except BaseException:
                 self.abort_all()
                 raise
-            return self.core.update(sampled)
-        executor = self.executor
-        executor.check_alive()
-        try:
-            # Publishes the step to the other ranks before rank 0 runs it.
-            step = self.core.schedule()
-            sampled = self.runner.execute_model(step)
-        except BaseException as e:
-            # The ranks are out of step (or dead): no further step can be broadcast.
-            self.core.set_step_broadcaster(None)
-            self.abort_all()
-            executor._raise_failure(e)
+        else:
+            executor = self.executor
+            executor.check_alive()
+            try:
+                # Publishes the step to the other ranks before rank 0 runs it.
+                step = self.core.schedule()
+                sampled = self.runner.execute_model(step)
+            except BaseException as e:
+                # The ranks are out of step (or dead): no further step can be broadcast.
+                self.core.set_step_broadcaster(None)
+                self.abort_all()
+                executor._raise_failure(e)
+        if self.stats is not None:
+            self.stats.on_step(step, self.core)
         return self.core.update(sampled)
 
     def check_alive(self) -> None:
@@ -353,6 +327,8 @@ class LLMEngine:
         self.runner.update_states(step)
         for out in self.core.update(np.zeros(0, dtype=np.int64)):
             self.runner.release(out.request_id)
+        if self.stats is not None:
+            self.stats.requests.clear()
 
     def close(self) -> None:
         if self.executor is not None:
@@ -365,7 +341,7 @@ class LLMEngine:
         self.tokenizers.close()
 
 
-def _read_checkpoint(source):
+def _read_checkpoint(source, progress: bool = False):
     """The HF config and a factory for the weight iterator."""
     from ferrollm.model_executor import loader
 
@@ -380,7 +356,7 @@ def _read_checkpoint(source):
         config = AutoConfig.from_pretrained(str(source.folder))
     except Exception as e:  # an unreadable config.json or an unknown model_type
         raise ConfigError(f"could not read {source.folder / 'config.json'}: {e}") from e
-    return config, lambda: loader.iterate_safetensors(source.folder)
+    return config, lambda: loader.iterate_safetensors(source.folder, progress=progress)
 
 
 def _batched_tokens(args: EngineArgs, max_model_len: int) -> int:

@@ -12,16 +12,17 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
-from ferrollm.config.compilation import CompilationConfig
-from ferrollm.engine.llm_engine import EngineArgs, LLMEngine
+from ferrollm.engine.arg_utils import EngineArgs, check_known_names
+from ferrollm.engine.llm_engine import LLMEngine
 from ferrollm.entrypoints.output_builder import LogprobDecoder, PendingRequest, completion, prompt_logprobs
 from ferrollm.entrypoints.pooling import PoolingMixin
 from ferrollm.entrypoints.prompts import multimodal_fields, normalize_prompts
+from ferrollm.exceptions import ConfigError, InvalidRequestError
 from ferrollm.multimodal.chat import extract_images, processor_chat_template
 from ferrollm.multimodal.requests import process_multimodal
-from ferrollm.exceptions import InvalidRequestError
 from ferrollm.outputs import RequestOutput
 from ferrollm.beam_search import BeamSearchOutput
 from ferrollm.sampling_params import BeamSearchParams, SamplingParams
@@ -31,6 +32,12 @@ ChatMessages = list[dict[str, Any]]
 
 class LLM(PoolingMixin):
     """An LLM for offline inference, with vLLM's arguments and defaults.
+
+    Every keyword of vLLM 0.32's `EngineArgs` is accepted (`ferrollm.engine.arg_list` lists
+    them with what ferrollm does with each; the README has the table). Those ferrollm does not
+    implement are accepted at vLLM's default and raise `UnsupportedOptionError` (a ValueError
+    and a NotImplementedError) otherwise; a keyword vLLM does not know is a TypeError. The ones
+    that work:
 
     Args:
         model: a local checkpoint folder, a `.gguf` file, or a hub id (from the local Hugging
@@ -88,59 +95,18 @@ class LLM(PoolingMixin):
         logits_processors: custom batch-level logits processors, vLLM v1's `LogitsProcessor`
             subclasses or their qualified names ("module:Class" or "module.Class"), built once
             on rank 0 and switched per request through `SamplingParams.extra_args`.
+        chat_template: the Jinja template (or a file holding it) `chat` uses by default.
     """
 
-    def __init__(
-        self,
-        model: str,
-        *,
-        tokenizer: str | None = None,
-        revision: str | None = None,
-        trust_remote_code: bool = False,
-        dtype: str = "auto",
-        seed: int | None = None,
-        max_model_len: int | None = None,
-        max_num_seqs: int | None = None,
-        max_num_batched_tokens: int | None = None,
-        block_size: int | None = None,
-        enable_prefix_caching: bool | None = None,
-        hf_overrides: Any = None,
-        device: str = "auto",
-        gpu_memory_utilization: float = 0.9,
-        enforce_eager: bool = False,
-        tensor_parallel_size: int = 1,
-        distributed_executor_backend: str | None = None,
-        load_format: str = "auto",
-        runner: str = "auto",
-        convert: str = "auto",
-        pooler_config: Any = None,
-        generation_config: str = "auto",
-        override_generation_config: dict[str, Any] | None = None,
-        compilation_config: CompilationConfig | dict[str, Any] | int | None = None,
-        quantization: str | None = None,
-        limit_mm_per_prompt: dict[str, int] | None = None,
-        mm_processor_kwargs: dict[str, Any] | None = None,
-        mm_processor_cache_gb: float | None = None,
-        max_logprobs: int = 20,
-        logprobs_mode: str = "raw_logprobs",
-        logits_processors: list[Any] | None = None,
-    ) -> None:
-        args = EngineArgs(
-            model=str(model), tokenizer=tokenizer, revision=revision, dtype=dtype, seed=seed,
-            max_model_len=max_model_len, max_num_seqs=256 if max_num_seqs is None else max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens, block_size=16 if block_size is None else block_size,
-            enable_prefix_caching=True if enable_prefix_caching is None else enable_prefix_caching,
-            hf_overrides=hf_overrides, device=device, gpu_memory_utilization=gpu_memory_utilization,
-            enforce_eager=enforce_eager, tensor_parallel_size=tensor_parallel_size,
-            distributed_executor_backend=distributed_executor_backend, load_format=load_format,
-            runner=runner, convert=convert, pooler_config=pooler_config,
-            generation_config=generation_config, override_generation_config=override_generation_config,
-            compilation_config=compilation_config, quantization=quantization,
-            limit_mm_per_prompt=limit_mm_per_prompt, mm_processor_kwargs=mm_processor_kwargs,
-            mm_processor_cache_gb=mm_processor_cache_gb,
-            max_logprobs=max_logprobs, logprobs_mode=logprobs_mode, logits_processors=logits_processors,
-        )
+    def __init__(self, model: str, *, chat_template: str | None = None, **kwargs: Any) -> None:
+        # As in vLLM, an offline LLM keeps quiet unless asked for statistics.
+        kwargs.setdefault("disable_log_stats", True)
+        check_known_names(kwargs)
+        args = EngineArgs(model=str(model), **kwargs)
+        self.chat_template = _load_chat_template(chat_template)
         self.llm_engine: LLMEngine | None = LLMEngine.from_args(args)
+        # vLLM's `llm.model_config` (hf_config, max_model_len, get_vocab_size(), ...).
+        self.model_config = self.llm_engine.model_config
         self._request_counter = itertools.count()
         tokenizers = self.llm_engine.tokenizers
         self._decoder = LogprobDecoder(tokenizers.core, lambda: tokenizers.hf)
@@ -252,6 +218,7 @@ class LLM(PoolingMixin):
         """
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tok = self.get_tokenizer()
+        chat_template = chat_template if chat_template is not None else self.chat_template
         if chat_template is None and getattr(tok, "chat_template", None) is None:
             chat_template = processor_chat_template(self._engine().model_config.source.folder)
         if chat_template is None and getattr(tok, "chat_template", None) is None:
@@ -322,6 +289,8 @@ class LLM(PoolingMixin):
             for out in engine.step():
                 k, parent = _parent_of(out.request_id, by_id)
                 state = engine.generation_runner.release(out.request_id)
+                if engine.stats is not None and (stats := engine.stats.pop(out.request_id)) is not None:
+                    parent.metrics.append(stats)
                 parent.completions[k] = completion(k, out, state, self._decoder)
                 if parent.prompt_token_ids is None:
                     parent.prompt_token_ids = list(out.prompt_token_ids)
@@ -336,6 +305,17 @@ class LLM(PoolingMixin):
         if bar is not None:
             bar.close()
         return [p.to_output() for p in pending]
+
+
+def _load_chat_template(template: str | None) -> str | None:
+    """A template given as a file path is read from the file, as in vLLM."""
+    if template is None or "{" in template:
+        return template
+    path = Path(template)
+    if path.is_file():
+        return path.read_text()
+    raise ConfigError(f"`chat_template` must be a Jinja template or a file holding one. Given: {template!r} "
+                      "(no such file, and no Jinja syntax)")
 
 
 def _not_generative(engine: LLMEngine) -> str:

@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from ferrollm._core import EngineCoreOutput, Tokenizer
+from ferrollm.engine.stats import RequestStateStats
 from ferrollm.entrypoints.logprob_text import LogprobTextDecoder
 from ferrollm.logprobs import (
     PromptLogprobs,
@@ -34,6 +35,8 @@ class PendingRequest:
     prompt_token_ids: list[int] | None = None
     prompt_logprobs: list | None = None
     num_cached_tokens: int = 0
+    # Each sequence's statistics, when the engine keeps them (disable_log_stats=False).
+    metrics: list[RequestStateStats] = field(default_factory=list)
 
     @property
     def done(self) -> bool:
@@ -45,6 +48,7 @@ class PendingRequest:
             request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids or [],
             prompt_logprobs=self.prompt_logprobs, outputs=outputs, finished=True,
             num_cached_tokens=self.num_cached_tokens,
+            metrics=RequestStateStats.merge(self.metrics) if self.metrics else None,
         )
 
 
@@ -57,8 +61,9 @@ class LogprobDecoder:
         hf_tokenizer: A callable returning the transformers tokenizer (see `LogprobTextDecoder`).
     """
 
-    def __init__(self, tokenizer: Tokenizer, hf_tokenizer: Any = None):
-        self.text = LogprobTextDecoder(tokenizer, hf_tokenizer)
+    def __init__(self, tokenizer: Tokenizer | None, hf_tokenizer: Any = None):
+        # None with skip_tokenizer_init: no text, as in vLLM.
+        self.text = None if tokenizer is None else LogprobTextDecoder(tokenizer, hf_tokenizer)
 
     def build(self, entries: list[tuple[np.ndarray, np.ndarray, int]], chosen: list[int],
               params: SamplingParams, container: PromptLogprobs | SampleLogprobs, first: int = 0):
@@ -74,7 +79,7 @@ class LogprobDecoder:
         """
         for i, (ids, lps, rank) in enumerate(entries):
             id_list = ids.tolist()
-            if params.detokenize:
+            if params.detokenize and self.text is not None:
                 pos = first + i
                 texts: Any = self.text.texts(id_list, chosen[max(0, pos - 4):pos])
             else:

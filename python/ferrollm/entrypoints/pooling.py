@@ -219,17 +219,19 @@ def _tokenize(engine: LLMEngine, items: list[tuple[str | None, str | list[int]]]
     max_len = engine.model_config.max_model_len
     for i, ids in enumerate(token_ids):
         if not ids:
-            raise InvalidRequestError(f"prompt {i} must have at least one token. Given: an empty prompt")
+            raise InvalidRequestError(f"prompt {i} must have at least one token (The decoder prompt cannot be "
+                                      "empty). Given: an empty prompt")
         if len(ids) > max_len:
             raise PromptTooLongError(
                 f"prompt {i} must have at most max_model_len ({max_len}) tokens, or pass "
-                f"truncate_prompt_tokens (e.g. -1) to keep its last {max_len}. Given: {len(ids)} tokens")
+                f"truncate_prompt_tokens (e.g. -1) to keep its last {max_len}. Given: {len(ids)} tokens (the "
+                f"prompt (length {len(ids)}) is longer than the maximum model length of {max_len})")
     return token_ids
 
 
 def _encode_texts(engine: LLMEngine, texts: list[str], truncate: int | None) -> list[list[int]]:
     if truncate is None:
-        return engine.tokenizers.core.encode_batch(texts)
+        return engine.tokenizers.encode_batch(texts)
     hf = engine.tokenizers.hf
     side = hf.truncation_side
     hf.truncation_side = "left"

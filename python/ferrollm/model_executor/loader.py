@@ -23,12 +23,13 @@ from ferrollm.model_executor.weight_utils import LazyTensor, file_mapped
 
 __all__ = ["build_model", "get_model", "gguf_to_hf_name", "iterate_safetensors", "load_gguf", "load_model"]
 
-LOAD_FORMATS = ("auto", "safetensors", "gguf", "sharded_state")
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "sharded_state", "dummy")
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 
 
-def iterate_safetensors(folder: str | Path, lazy: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+def iterate_safetensors(folder: str | Path, lazy: bool = False,
+                        progress: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """Yields every tensor of a safetensors checkpoint folder.
 
     Args:
@@ -36,6 +37,7 @@ def iterate_safetensors(folder: str | Path, lazy: bool = False) -> Iterator[tupl
             (any other ``*.safetensors`` files are read when there is neither).
         lazy: yield :class:`LazyTensor` windows instead, read when a weight loader copies its
             slice (a tensor-parallel rank then reads only what it keeps).
+        progress: show a progress bar over the files (vLLM's `use_tqdm_on_load`).
 
     Yields:
         ``(name, tensor)`` with the checkpoint's names and dtypes. The tensors are views of the
@@ -47,8 +49,11 @@ def iterate_safetensors(folder: str | Path, lazy: bool = False) -> Iterator[tupl
     """
     from safetensors import safe_open
 
+    from tqdm.auto import tqdm
+
     folder = Path(folder)
-    for path in _safetensors_files(folder):
+    files = _safetensors_files(folder)
+    for path in tqdm(files, desc="Loading safetensors checkpoint shards", disable=not progress):
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():
                 if lazy:
@@ -138,15 +143,17 @@ def finish_loading(model: nn.Module, dtype: torch.dtype, device: torch.device | 
 
 
 def load_model(model_config, load_format: str, device: torch.device, rank: int = 0,
-               world_size: int = 1) -> nn.Module:
+               world_size: int = 1, progress: bool = False) -> nn.Module:
     """Builds this rank's shard of the model and loads its weights.
 
     Args:
         model_config: a `ModelConfig`.
-        load_format: ``"auto"`` (the checkpoint's own format), ``"safetensors"``, ``"gguf"`` or
-            ``"sharded_state"`` (per-rank files written by ``LLM.save_sharded_state``).
+        load_format: ``"auto"`` (the checkpoint's own format), ``"safetensors"``, ``"gguf"``,
+            ``"sharded_state"`` (per-rank files written by ``LLM.save_sharded_state``) or
+            ``"dummy"`` (random weights, `dummy_weights`).
         device: where to build the model.
         rank, world_size: this tensor-parallel rank and the TP size.
+        progress: show a progress bar over the safetensors files.
 
     Raises:
         CheckpointError: for missing, unexpected or mis-shaped tensors, or sharded files written
@@ -166,10 +173,14 @@ def load_model(model_config, load_format: str, device: torch.device, rank: int =
             begin_loading(model, dtype, device, SavedStateConfig(quant_config))
         load_rank_state(model, source.folder, rank, world_size)
         return finish_loading(model, dtype, device)
-    if source.gguf_file is not None:
+    if load_format == "dummy":
+        from ferrollm.model_executor.dummy_weights import dummy_weights
+
+        weights = dummy_weights(model_config.hf_config)
+    elif source.gguf_file is not None:
         _, weights = load_gguf(source.gguf_file, quant_config, device)
     else:
         # Under TP each rank reads only the slices its layers keep: on the CPU they are views of
         # the mapping (whose pages the ranks share), elsewhere windows read when copied.
-        weights = iterate_safetensors(source.folder, lazy=world_size > 1 and device.type != "cpu")
+        weights = iterate_safetensors(source.folder, lazy=world_size > 1 and device.type != "cpu", progress=progress)
     return get_model(model_config.hf_config, dtype, weights, device=device, quant_config=quant_config)

@@ -20,13 +20,13 @@ def process_multimodal(engine, items: list[tuple[str | None, str | list[int]]],
         InvalidRequestError: images for a text-only model, or what the processor refuses.
     """
     out: list[MultiModalInputs | None] = []
-    for (_, prompt), (mm_data, kwargs) in zip(items, fields):
+    for i, ((_, prompt), (mm_data, kwargs)) in enumerate(zip(items, fields)):
         if not mm_data:
             out.append(None)
             continue
         if engine.mm_processor is None:
-            raise InvalidRequestError(f"`multi_modal_data` was given, but {engine.model_config.architecture} "
-                                      "takes text only")
+            raise InvalidRequestError(f"`multi_modal_data` of prompt {i} must be None or absent: "
+                                      f"{engine.model_config.architecture} is not a multimodal model")
         ids = engine.tokenizers.core.encode(prompt, add_special_tokens) if isinstance(prompt, str) else list(prompt)
         out.append(engine.mm_processor.process(ids, mm_data, kwargs))
     return out

@@ -32,7 +32,7 @@ def build_mm_processor(args: Any, model_config) -> MultiModalProcessor | None:
             images with `tensor_parallel_size` > 1 (not supported yet).
     """
     if model_config.is_pooling or not is_multimodal(model_config):
-        given = [n for n in ("limit_mm_per_prompt", "mm_processor_kwargs") if getattr(args, n)]
+        given = [n for n in ("limit_mm_per_prompt", "mm_processor_kwargs") if getattr(args, n, None)]
         if given:
             raise ConfigError(f"`{given[0]}` applies to multimodal models only; {model_config.architecture} "
                               "takes text only")
@@ -40,11 +40,13 @@ def build_mm_processor(args: Any, model_config) -> MultiModalProcessor | None:
     from ferrollm.model_executor.models.qwen2_vl import TEXT_ONLY_ATTR
 
     limits = check_limits(args.limit_mm_per_prompt)
-    text_only = all(v == 0 for v in limits.values())
+    text_only = all(v == 0 for v in limits.values()) or bool(getattr(args, "language_model_only", False))
     if text_only:
         # The processor still runs, to refuse images with the limit in the message.
+        limits = dict.fromkeys(limits, 0)
         setattr(model_config.hf_config, TEXT_ONLY_ATTR, True)
-        logger.info("limit_mm_per_prompt is 0 for every modality: the vision tower is not loaded")
+        logger.info("limit_mm_per_prompt is 0 for every modality (or language_model_only): the vision tower "
+                    "is not loaded")
     elif args.tensor_parallel_size > 1:
         raise ConfigError("`tensor_parallel_size` must be 1 for image inputs (not supported yet); pass "
                           "limit_mm_per_prompt={'image': 0} to run the model on text only. "

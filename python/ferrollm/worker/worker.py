@@ -46,6 +46,8 @@ class CacheOptions:
     max_num_batched_tokens: int
     gpu_memory_utilization: float
     load_format: str = "auto"
+    # Rank 0 shows a progress bar while it reads the weights (vLLM's `use_tqdm_on_load`).
+    use_tqdm_on_load: bool = False
     compilation_config: CompilationConfig = field(default_factory=CompilationConfig)
     # Multimodal models: placeholder tokens a step may encode, and those of the largest image.
     encoder_budget: int = 0
@@ -80,7 +82,7 @@ class Worker:
         from ferrollm.model_executor.loader import load_model
 
         self.model = load_model(self.model_config, self.options.load_format, self.device,
-                                self.rank, self.world_size)
+                                self.rank, self.world_size, progress=self.options.use_tqdm_on_load and self.rank == 0)
         return self.num_kv_blocks()
 
     def sliding_window(self) -> int | None:

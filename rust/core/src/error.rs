@@ -16,10 +16,13 @@ pub enum CoreError {
     /// A request parameter is outside its allowed range.
     #[error("`{param}` must be {bound}. Given: {value}")]
     InvalidParameter { param: String, bound: String, value: String },
-    /// The prompt plus the tokens asked for cannot fit in `max_model_len`.
+    /// The prompt plus the tokens asked for cannot fit in `max_model_len`. The message carries
+    /// vLLM's wording ("longer than the maximum model length of N"), which scripts match on.
     #[error(
         "the prompt of request `{request_id}` has {num_tokens} tokens, but `max_model_len` is \
-         {max_model_len}: the prompt must be shorter than `max_model_len`"
+         {max_model_len}: the prompt must be shorter than `max_model_len` (the decoder prompt \
+         (length {num_tokens}) plus at least one output token is longer than the maximum model \
+         length of {max_model_len})"
     )]
     PromptTooLong { request_id: String, num_tokens: usize, max_model_len: usize },
     /// A request id that is already queued or running was added again.

@@ -79,7 +79,9 @@ impl Scheduler {
     /// Checks a request against the engine's limits without queueing it.
     pub fn validate(&self, req: &EngineRequest) -> CoreResult<()> {
         if req.prompt_token_ids.is_empty() {
-            return Err(CoreError::invalid("prompt", "non-empty", "an empty prompt"));
+            // vLLM's wording in the bound, which scripts match on.
+            let bound = "non-empty (The decoder prompt cannot be empty)";
+            return Err(CoreError::invalid("prompt", bound, "an empty prompt"));
         }
         if req.prompt_token_ids.len() >= self.cfg.max_model_len {
             return Err(CoreError::PromptTooLong {

@@ -115,20 +115,6 @@ pub fn matmul(
     matmul_stacked_on(Isa::detect(), std::slice::from_ref(weight), x, rows, bias, out, threads)
 }
 
-/// [`matmul`] with the products compiled for `isa`, which this CPU must have (see
-/// [`Isa::available`]); for tests and benchmarks of each path.
-pub fn matmul_on(
-    isa: Isa,
-    weight: &QuantWeight<'_>,
-    x: &[f32],
-    rows: usize,
-    bias: Option<&[f32]>,
-    out: &mut [f32],
-    threads: usize,
-) -> Result<(), KernelError> {
-    matmul_stacked_on(isa, std::slice::from_ref(weight), x, rows, bias, out, threads)
-}
-
 /// [`matmul`] for the weight made of `weights` stacked along the output features (each may be
 /// of its own type; all have the same `in_features`): `out` is `[rows, Σ out_features]`, weight
 /// `j`'s columns after those of `0..j`, and `bias` (if any) covers them all.
@@ -143,7 +129,8 @@ pub fn matmul_stacked(
     matmul_stacked_on(Isa::detect(), weights, x, rows, bias, out, threads)
 }
 
-/// [`matmul_stacked`] with the products compiled for `isa`.
+/// [`matmul_stacked`] with the products compiled for `isa`, which this CPU must have (see
+/// [`Isa::available`]); for tests and benchmarks of each path.
 pub fn matmul_stacked_on(
     isa: Isa,
     weights: &[QuantWeight<'_>],
