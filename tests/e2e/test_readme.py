@@ -53,3 +53,15 @@ def test_hub_id_resolves_from_the_local_cache(tiny_llama, tmp_path, monkeypatch)
         out = llm.generate(["hello"], use_tqdm=False)[0]
         assert out.prompt_token_ids[0] == llm.get_tokenizer().bos_token_id
         assert out.outputs[0].finish_reason in ("length", "stop")
+
+
+def test_readme_image_example_runs(tmp_path, tokenizer_dir, capsys):
+    from helpers.vl_checkpoints import build_vl_checkpoint, random_image
+
+    folder = tmp_path / "qwen2_5_vl"
+    build_vl_checkpoint("qwen2_5_vl", folder, tokenizer_dir)
+    random_image(0, 56, 84).save(tmp_path / "image.png")
+    code = readme_example("multi_modal_data").replace('"path/to/Qwen2.5-VL-3B-Instruct"', repr(str(folder)))
+    code = code.replace('"path/to/image.png"', repr(str(tmp_path / "image.png")))
+    exec(compile(code, str(README), "exec"), {})
+    assert capsys.readouterr().out.strip()

@@ -72,6 +72,11 @@ def resolve_dtype(dtype: str | torch.dtype, config_dtype: Any, device: torch.dev
     return torch.bfloat16 if cfg == torch.float32 else cfg
 
 
+def text_config_of(hf_config: Any) -> Any:
+    """The decoder's config: ``text_config`` of a multimodal model, else the config itself."""
+    return getattr(hf_config, "text_config", None) or hf_config
+
+
 def derive_max_model_len(hf_config: Any) -> int:
     """The longest sequence the checkpoint supports, from its config."""
     text = getattr(hf_config, "text_config", None) or hf_config

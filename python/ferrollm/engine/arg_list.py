@@ -63,7 +63,7 @@ GROUP_REASONS: dict[str, str] = {
                       "expert or context parallelism, no multi-node and no Ray",
     "CacheConfig": "not supported by ferrollm's paged KV cache",
     "OffloadConfig": "weight offloading to CPU memory is not supported",
-    "MultiModalConfig": "multimodal inputs are not supported",
+    "MultiModalConfig": "not supported by ferrollm's multimodal path (images for Qwen2-VL and Qwen2.5-VL)",
     "LoRAConfig": "LoRA adapters are not supported",
     "LoggingConfig": "ferrollm logs through the standard `logging` module (logger 'ferrollm'); "
                      "configure it there",
@@ -213,11 +213,13 @@ _TABLE: list[tuple[str, list[tuple[str, Any, tuple[str | None, str | None]]]]] =
         ("offload_group_size", 0), ("offload_num_in_group", 1), ("offload_prefetch_step", 1),
         ("offload_params", set())]]),
     ("MultiModalConfig", [
-        ("language_model_only", False, _works("accepted: every model ferrollm runs is text-only")),
+        ("language_model_only", False, _works("multimodal/setup.py: the vision tower is not loaded")),
+        ("limit_mm_per_prompt", DEFAULT_CONFIG, _works("multimodal/processor.py (images; 0 for all: no vision tower)")),
+        ("mm_processor_kwargs", None, _works("multimodal/processor.py (the image processor's keys)")),
+        ("mm_processor_cache_gb", 4, _works("multimodal/cache.py (the Rust core's LRU; env var when None)")),
         *[(n, d, _refused()) for n, d in [
-            ("limit_mm_per_prompt", DEFAULT_CONFIG), ("enable_mm_embeds", False),
-            ("interleave_mm_strings", False), ("media_io_kwargs", {}), ("mm_processor_kwargs", None),
-            ("mm_processor_cache_gb", 4), ("mm_processor_cache_type", "lru"),
+            ("enable_mm_embeds", False),
+            ("interleave_mm_strings", False), ("media_io_kwargs", {}), ("mm_processor_cache_type", "lru"),
             ("mm_hasher_algorithm", "blake3"), ("mm_shm_cache_max_object_size_mb", 128),
             ("mm_encoder_only", False), ("mm_encoder_tp_mode", "weights"), ("mm_encoder_attn_backend", None),
             ("mm_encoder_attn_dtype", None), ("mm_encoder_fp8_scale_path", None),

@@ -47,7 +47,8 @@ class EngineArgs(_VllmEngineArgs):  # type: ignore[valid-type,misc]
     Every vLLM name is a field. The ones below work (see `LLM` for their meaning); any other is
     accepted at vLLM's default and refused otherwise (`ferrollm.engine.arg_list` says why).
     Defaults that differ from vLLM's: `seed` None (vLLM 0: leave torch's generator alone),
-    `gpu_memory_utilization` 0.9 (vLLM 0.92). None for `max_num_seqs`, `block_size` and
+    `gpu_memory_utilization` 0.9 (vLLM 0.92), `mm_processor_cache_gb` None (the environment's
+    `FERROLLM_MM_INPUT_CACHE_GIB` / `VLLM_MM_INPUT_CACHE_GIB`, else 4). None for `max_num_seqs`, `block_size` and
     `enable_prefix_caching` becomes 256, 16 and True.
 
     Raises:
@@ -92,6 +93,11 @@ class EngineArgs(_VllmEngineArgs):  # type: ignore[valid-type,misc]
     enable_chunked_prefill: bool | None = None
     long_prefill_token_threshold: int = 0
     scheduling_policy: str = "fcfs"
+    language_model_only: bool = False
+    limit_mm_per_prompt: dict[str, int] | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None
+    # None: FERROLLM_MM_INPUT_CACHE_GIB or VLLM_MM_INPUT_CACHE_GIB, else vLLM's 4.
+    mm_processor_cache_gb: float | None = None
 
     def __post_init__(self) -> None:
         for arg in ENGINE_ARGS:

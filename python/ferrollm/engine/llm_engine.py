@@ -20,7 +20,7 @@ from ferrollm._core import EngineCore, EngineCoreOutput, SamplingOptions
 from ferrollm.attention.backend import allocate_kv_cache
 from ferrollm.config.compilation import CompilationConfig
 from ferrollm.config.generation_config import default_sampling_fields
-from ferrollm.config.model_config import ModelConfig, build_model_config
+from ferrollm.config.model_config import ModelConfig, build_model_config, text_config_of
 from ferrollm.config.model_source import resolve_model_source
 from ferrollm.config.vllm import VllmConfig, build_vllm_config
 from ferrollm.engine.arg_utils import EngineArgs
@@ -40,6 +40,8 @@ from ferrollm.pooling_params import PoolingParams
 from ferrollm.sampling_params import SamplingParams
 from ferrollm.executor import ExternalLauncherExecutor, MultiprocExecutor
 from ferrollm.executor.launch import check_not_bootstrapping, check_tp_shapes
+from ferrollm.multimodal.inputs import MultiModalInputs
+from ferrollm.multimodal.setup import MultiModalProcessor, build_mm_processor
 from ferrollm.v1.sample.logits_processor import STR_POOLING_REJECTS_LOGITSPROCS
 from ferrollm.worker.logits_processors import LogitsProcessorBatch, validate_request
 from ferrollm.worker.model_runner import ModelRunner
@@ -70,6 +72,8 @@ class LLMEngine:
         self.tokenizers = tokenizers
         self.core = core
         self.runner = runner
+        # Images through the checkpoint's processor (multimodal models only).
+        self.mm_processor: MultiModalProcessor | None = None
         # KV blocks allocated; `_from_workers` sets the exact count (a pooling engine's core
         # holds them all free at start).
         self.num_gpu_blocks = int(core.stats()["num_free_blocks"])
@@ -117,6 +121,7 @@ class LLMEngine:
         with clock.phase("tokenizer"):
             tokenizers = (Tokenizers(None) if args.skip_tokenizer_init
                           else load_tokenizers(source, args.tokenizer, args.revision, args.tokenizer_mode))
+            mm_processor = build_mm_processor(args, model_config)
         if model_config.is_pooling:
             if args.logits_processors:
                 raise ConfigError(f"{STR_POOLING_REJECTS_LOGITSPROCS} `logits_processors` must be empty for "
@@ -133,13 +138,16 @@ class LLMEngine:
             core, runner = _build_pooling_core(args, model_config, model, tokenizers, device)
             clock.log()
             return cls(args, model_config, tokenizers, core, runner)
-        engine = cls._from_workers(args, model_config, tokenizers, device, clock)
+        # vLLM's encoder budget: a step's worth of tokens, but never less than the largest item.
+        per_item = mm_processor.max_tokens_per_item() if mm_processor is not None else 0
+        engine = cls._from_workers(args, model_config, tokenizers, device, clock, per_item)
+        engine.mm_processor = mm_processor
         clock.log()
         return engine
 
     @classmethod
     def _from_workers(cls, args: EngineArgs, mc: ModelConfig, tokenizers: Tokenizers, device: torch.device,
-                      clock: StartupClock) -> LLMEngine:
+                      clock: StartupClock, tokens_per_mm_item: int = 0) -> LLMEngine:
         """A generative engine: every rank loads its shard and states how many KV blocks it can
         hold; the core gets the smallest number, and every rank allocates that many."""
         batched = _batched_tokens(args, mc.max_model_len)
@@ -152,7 +160,9 @@ class LLMEngine:
                                max_num_batched_tokens=batched, gpu_memory_utilization=args.gpu_memory_utilization,
                                load_format=args.load_format, use_tqdm_on_load=args.use_tqdm_on_load,
                                compilation_config=compilation, num_gpu_blocks_override=args.num_gpu_blocks_override,
-                               kv_cache_memory_bytes=args.kv_cache_memory_bytes, kv_cache_dtype=args.kv_cache_dtype)
+                               kv_cache_memory_bytes=args.kv_cache_memory_bytes, kv_cache_dtype=args.kv_cache_dtype,
+                               encoder_budget=max(batched, tokens_per_mm_item) if tokens_per_mm_item else 0,
+                               tokens_per_mm_item=tokens_per_mm_item)
         executor: MultiprocExecutor | ExternalLauncherExecutor | None = None
         if args.tensor_parallel_size > 1:
             check_tp_shapes(mc.hf_config, args.tensor_parallel_size)
@@ -173,7 +183,7 @@ class LLMEngine:
                 num_blocks = min(run("load_model"))
             load_seconds = time.perf_counter() - start
             with clock.phase("KV cache"):
-                core = _build_core(args, mc, driver.sliding_window(), num_blocks, tokenizers)
+                core = _build_core(args, mc, driver.sliding_window(), num_blocks, tokenizers, options.encoder_budget)
                 run("init_kv_cache", num_blocks, tokenizers.eos_token_ids)
         except BaseException:
             if executor is not None:
@@ -217,25 +227,32 @@ class LLMEngine:
 
     @property
     def vocab_size(self) -> int:
-        return int(self.model_config.hf_config.vocab_size)
+        return int(text_config_of(self.model_config.hf_config).vocab_size)
 
     def add_requests(self, request_ids: list[str], prompts: Sequence[str | list[int]],
                      params: list[SamplingParams], add_special_tokens: bool = True,
-                     priorities: list[int] | None = None) -> None:
-        """Queues requests atomically: either all are accepted or none is."""
+                     priorities: list[int] | None = None,
+                     mm_inputs: Sequence[MultiModalInputs | None] | None = None) -> None:
+        """Queues requests atomically: either all are accepted or none is. A request with
+        `mm_inputs` has its prompt replaced by their expanded token ids; their items' content
+        hashes enter its prefix-cache block hashes."""
         self.check_alive()
         for p in params:
             validate_request(self.args.logits_processor_classes, p)
             p.verify_logprobs(self.args.max_logprobs, self.vocab_size)
             p.update_from_tokenizer(self.tokenizers.core)
             p.verify_token_ids(self.vocab_size)
+        mm = list(mm_inputs) if mm_inputs is not None else [None] * len(request_ids)
+        prompts = [m.prompt_token_ids if m is not None else p for p, m in zip(prompts, mm)]
         prompts = self._encoded(prompts, add_special_tokens)
+        features = [m.core_features() if m is not None else [] for m in mm]
         self.core.add_requests(request_ids, list(prompts), [p.to_core() for p in params],
-                               priorities=priorities, add_special_tokens=add_special_tokens)
+                               priorities=priorities, add_special_tokens=add_special_tokens,
+                               mm_features=features if any(features) else None)
         if self.stats is not None:
             self.stats.on_add(request_ids)
-        for rid, p in zip(request_ids, params):
-            self.generation_runner.add_request_params(rid, p)
+        for rid, p, m in zip(request_ids, params, mm):
+            self.generation_runner.add_request_params(rid, p, m)
 
     def _encoded(self, prompts: Sequence[str | list[int]], add_special_tokens: bool) -> list[str | list[int]]:
         """Text prompts stay text for the core to encode in parallel, unless the tokenizer mode
@@ -377,21 +394,21 @@ def _log_memory(args: EngineArgs, mc: ModelConfig, runner: ModelRunner, num_bloc
     """Rank 0's weights, KV cache and largest step workspace, at INFO."""
     batched = _batched_tokens(args, mc.max_model_len)
     kv_bytes = sum(t.numel() * t.element_size() for t in runner.kv_caches)
-    workspace = activation_workspace_bytes(mc.hf_config, mc.dtype, batched, args.max_num_seqs)
+    workspace = activation_workspace_bytes(text_config_of(mc.hf_config), mc.dtype, batched, args.max_num_seqs)
     kv = KVCacheSummary(kv_bytes, num_blocks, args.block_size, str(runner.kv_caches[0].dtype).removeprefix("torch."),
                         sizing)
     log_memory(model_weight_bytes(runner.model), kv, workspace, batched, args.max_num_seqs)
 
 
 def _build_core(args: EngineArgs, mc: ModelConfig, window: int | None, num_blocks: int,
-                tokenizers: Tokenizers) -> EngineCore:
+                tokenizers: Tokenizers, encoder_budget: int = 0) -> EngineCore:
     batched = _batched_tokens(args, mc.max_model_len)
     return EngineCore(
         tokenizer=tokenizers.core, block_size=args.block_size, num_blocks=num_blocks,
         enable_prefix_caching=args.enable_prefix_caching, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=batched, max_model_len=mc.max_model_len, sliding_window=window,
         enable_chunked_prefill=_chunked_prefill(args), long_prefill_token_threshold=args.long_prefill_token_threshold,
-        scheduling_policy=args.scheduling_policy,
+        scheduling_policy=args.scheduling_policy, max_num_encoder_input_tokens=max(batched, encoder_budget),
     )
 
 

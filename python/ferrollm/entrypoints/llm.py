@@ -19,8 +19,10 @@ from ferrollm.engine.arg_utils import EngineArgs, check_known_names
 from ferrollm.engine.llm_engine import LLMEngine
 from ferrollm.entrypoints.output_builder import LogprobDecoder, PendingRequest, completion, prompt_logprobs
 from ferrollm.entrypoints.pooling import PoolingMixin
-from ferrollm.entrypoints.prompts import normalize_prompts
+from ferrollm.entrypoints.prompts import multimodal_fields, normalize_prompts
 from ferrollm.exceptions import ConfigError, InvalidRequestError
+from ferrollm.multimodal.chat import extract_images, processor_chat_template
+from ferrollm.multimodal.requests import process_multimodal
 from ferrollm.outputs import RequestOutput
 from ferrollm.beam_search import BeamSearchOutput
 from ferrollm.sampling_params import BeamSearchParams, SamplingParams
@@ -79,6 +81,12 @@ class LLM(PoolingMixin):
             generation_config.json when `generate` gets none; "vllm" ignores the file; a folder
             path reads the file there.
         override_generation_config: fields merged over the generation config.
+        limit_mm_per_prompt: items per modality a prompt may carry, e.g. ``{"image": 2}``
+            (default 999); 0 refuses the modality, and 0 for all skips loading the vision tower.
+        mm_processor_kwargs: options for the checkpoint's image processor (e.g. ``max_pixels``,
+            ``min_pixels`` for Qwen2-VL); a prompt's own ``mm_processor_kwargs`` override them.
+        mm_processor_cache_gb: GiB of processed images kept by content hash (default
+            ``FERROLLM_MM_INPUT_CACHE_GIB`` or ``VLLM_MM_INPUT_CACHE_GIB``, else 4; 0 disables).
         max_logprobs: the most `logprobs` / `prompt_logprobs` a request may ask for (-1: no
             limit); more raises a `ValueError` with vLLM's wording.
         logprobs_mode: what logprobs hold: "raw_logprobs" (default), "raw_logits",
@@ -184,7 +192,9 @@ class LLM(PoolingMixin):
 
         Args:
             prompts: a string, a `{"prompt": ...}` or `{"prompt_token_ids": [...]}` dict, or a
-                list of these.
+                list of these. A dict may carry ``multi_modal_data`` (``{"image": PIL image
+                or list}``, one placeholder per image in the prompt) and its own
+                ``mm_processor_kwargs``.
             sampling_params: one for all prompts, one per prompt, or None for the defaults.
             use_tqdm: show a progress bar.
             priority: one value for every prompt or one per prompt; lower runs first under
@@ -210,6 +220,8 @@ class LLM(PoolingMixin):
 
         Args:
             messages: one conversation (a list of `{"role", "content"}` dicts) or a list of them.
+                Content may be a list of parts: ``{"type": "text"}``, ``{"type": "image_url",
+                "image_url": {"url": data: URL or local path}}``, ``{"type": "image_pil"}``.
             sampling_params: as in `generate`.
             chat_template: a Jinja template to use instead of the tokenizer's.
             add_generation_prompt: end the prompt with the assistant's turn header.
@@ -224,15 +236,19 @@ class LLM(PoolingMixin):
         tok = self.get_tokenizer()
         chat_template = chat_template if chat_template is not None else self.chat_template
         if chat_template is None and getattr(tok, "chat_template", None) is None:
+            chat_template = processor_chat_template(self._engine().model_config.source.folder)
+        if chat_template is None and getattr(tok, "chat_template", None) is None:
             raise InvalidRequestError("`chat_template` must be given: the tokenizer has no chat template")
-        prompts = [
-            tok.apply_chat_template(
+        prompts: list[Any] = []
+        for conv in conversations:
+            # `image_url`/`image_pil` parts become the template's image parts plus multi_modal_data.
+            conv, images = extract_images(conv)
+            text = tok.apply_chat_template(
                 conv, tokenize=False, chat_template=chat_template,
                 add_generation_prompt=add_generation_prompt and not continue_final_message,
                 continue_final_message=continue_final_message, **(chat_template_kwargs or {}),
             )
-            for conv in conversations
-        ]
+            prompts.append({"prompt": text, "multi_modal_data": {"image": images}} if images else text)
         # The template already holds the special tokens (BOS and the like), as in vLLM.
         return self._generate(prompts, sampling_params, use_tqdm, priority, add_special_tokens=False)
 
@@ -265,7 +281,8 @@ class LLM(PoolingMixin):
             sampling_params = self.get_default_sampling_params()
         params = _expand_params(sampling_params, len(items))
         priority = _priority_per_prompt(priority, len(items))
-        pending, ids, seq_prompts, seq_params, seq_prio = [], [], [], [], []
+        mm = process_multimodal(engine, items, multimodal_fields(prompts), add_special_tokens)
+        pending, ids, seq_prompts, seq_params, seq_prio, seq_mm = [], [], [], [], [], []
         for i, ((text, prompt), p) in enumerate(zip(items, params)):
             rid = str(next(self._request_counter))
             pending.append(PendingRequest(rid, text, p.n))
@@ -274,7 +291,9 @@ class LLM(PoolingMixin):
                 seq_prompts.append(prompt)
                 seq_params.append(child)
                 seq_prio.append(priority[i])
-        engine.add_requests(ids, seq_prompts, seq_params, add_special_tokens, seq_prio)
+                seq_mm.append(mm[i])
+        engine.add_requests(ids, seq_prompts, seq_params, add_special_tokens, seq_prio,
+                            mm_inputs=seq_mm if any(m is not None for m in seq_mm) else None)
         return self._run(engine, pending, use_tqdm)
 
     def _run(self, engine: LLMEngine, pending: list[PendingRequest], use_tqdm: bool) -> list[RequestOutput]:

@@ -41,13 +41,20 @@ def normalize_prompts(prompts: Any, vocab_size: int) -> list[tuple[str | None, s
 # TextPrompt/TokensPrompt fields vLLM reads that ferrollm does not implement: refused when set,
 # so no input is silently dropped.
 _UNSUPPORTED = {
-    "multi_modal_data": "multimodal inputs are not supported",
-    "mm_processor_kwargs": "multimodal inputs are not supported",
-    "multi_modal_uuids": "multimodal inputs are not supported",
+    "multi_modal_uuids": "caller-given multimodal item ids are not supported (items are hashed by content)",
     "cache_salt": "per-request prefix-cache salts are not supported yet",
     "token_type_ids": "token type ids (cross-encoders) are not supported",
     "prompt_embeds": "prompt embeddings as input are not supported",
 }
+
+
+def multimodal_fields(prompts: Any) -> list[tuple[dict[str, Any] | None, dict[str, Any] | None]]:
+    """Per prompt (in `normalize_prompts` order), its ``multi_modal_data`` and
+    ``mm_processor_kwargs`` (None where absent)."""
+    if isinstance(prompts, (str, dict)):
+        prompts = [prompts]
+    return [(p.get("multi_modal_data"), p.get("mm_processor_kwargs")) if isinstance(p, dict) else (None, None)
+            for p in prompts]
 
 
 def _refuse_unsupported_fields(prompt: dict, index: int) -> None:

@@ -43,6 +43,8 @@ def host_sync_reason(model: torch.nn.Module) -> str | None:
     """
     from ferrollm.model_executor.layers.fused_moe import FusedMoE
 
+    if getattr(model, "supports_multimodal", False):
+        return "its steps merge image embeddings and M-RoPE positions that vary with the images"
     if any(isinstance(m, FusedMoE) for m in model.modules()):
         return "its mixture-of-experts layers read each expert's token count back to the host"
     return None

@@ -84,6 +84,7 @@ class MemoryProfile:
             driver's copy of each of the others (0 when nothing is captured).
         non_torch: memory outside torch's allocator (the CUDA context, cuBLAS' workspace, other
             processes on the device).
+        encoder_profiled: what the vision encoder ran in the profile ('' for text models).
     """
 
     total: int
@@ -91,6 +92,7 @@ class MemoryProfile:
     activation_peak: int
     graphs: int
     non_torch: int
+    encoder_profiled: str = ""
 
     def kv_cache_budget(self, gpu_memory_utilization: float) -> int:
         """``gpu_memory_utilization`` of the device, less everything else this rank will hold."""
@@ -102,21 +104,26 @@ class MemoryProfile:
                 f"{self.total * gpu_memory_utilization / MIB:.0f} MiB; weights and other tensors "
                 f"{self.in_use / MIB:.1f} MiB, activation peak {self.activation_peak / MIB:.1f} MiB, "
                 f"CUDA graphs ~{self.graphs / MIB:.1f} MiB, outside torch {self.non_torch / MIB:.1f} MiB; "
-                f"KV cache budget {self.kv_cache_budget(gpu_memory_utilization) / MIB:.1f} MiB")
+                + (f"the peak includes the vision encoder on {self.encoder_profiled}; " if self.encoder_profiled else "")
+                + f"KV cache budget {self.kv_cache_budget(gpu_memory_utilization) / MIB:.1f} MiB")
 
 
 @torch.inference_mode()
 def profile_memory(model: torch.nn.Module, dtype: torch.dtype, block_size: int, max_num_batched_tokens: int,
                    max_num_seqs: int, max_model_len: int, vocab_size: int, capture_sizes: list[int],
-                   device: torch.device) -> MemoryProfile:
-    """Runs the largest step and its sampling, captures two decode graphs (when ``capture_sizes``
-    is not empty), and reads what they took.
+                   device: torch.device, encoder: tuple[int, int] = (0, 0)) -> MemoryProfile:
+    """Runs the largest step and its sampling (and, for a multimodal model, the encoder's worst
+    step), captures two decode graphs (when ``capture_sizes`` is not empty), and reads what they
+    took.
 
     Args:
         model: the loaded model.
         dtype: the KV cache's dtype.
         capture_sizes: the decode batch sizes the engine will capture.
+        encoder: (the step's encoder budget, placeholder tokens of the largest image).
     """
+    from ferrollm.worker.encoder_profile import run_encoder_worst_case
+
     num_layers, num_kv_heads, head_dim = model.kv_cache_spec()
     scratch = allocate_kv_cache(num_layers, 1, block_size, num_kv_heads, head_dim, dtype, device)
     torch.cuda.synchronize(device)
@@ -126,6 +133,7 @@ def profile_memory(model: torch.nn.Module, dtype: torch.dtype, block_size: int, 
     num_reqs = max(1, min(max_num_seqs, max_num_batched_tokens))
     batch = prefill_batch(max_num_batched_tokens, num_reqs, block_size, device)
     _step_and_sample(model, scratch, batch, vocab_size, device)
+    encoded = run_encoder_worst_case(model, *encoder, device)
     torch.cuda.synchronize(device)
     activation_peak = torch.cuda.max_memory_allocated(device) - in_use
     del batch
@@ -135,7 +143,7 @@ def profile_memory(model: torch.nn.Module, dtype: torch.dtype, block_size: int, 
     free, total = torch.cuda.mem_get_info(device)
     non_torch = max(0, total - free - torch.cuda.memory_reserved(device))
     return MemoryProfile(total=total, in_use=in_use, activation_peak=activation_peak, graphs=graphs,
-                         non_torch=non_torch)
+                         non_torch=non_torch, encoder_profiled=encoded)
 
 
 def _graph_memory(model, scratch, sizes: list[int], block_size: int, max_model_len: int,

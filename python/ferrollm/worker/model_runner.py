@@ -21,9 +21,11 @@ from ferrollm._core import SamplingOptions, SchedulerOutput
 from ferrollm.attention.backend import AttentionMetadata
 from ferrollm.model_executor.sampler import Sampler, compute_prompt_logprobs
 from ferrollm.model_executor.sampling_metadata import SamplingMetadata
+from ferrollm.multimodal.inputs import MultiModalInputs
 from ferrollm.sampling_params import SamplingParams
 from ferrollm.worker.cpu_allocator import keep_freed_memory
 from ferrollm.worker.cuda_graph import CudaGraphRunner
+from ferrollm.worker.mm_state import RequestMultiModal, prepare_multimodal_step
 from ferrollm.worker.request_state import CachedRequestState
 
 
@@ -73,10 +75,17 @@ class ModelRunner:
         self._index_of: dict[str, int] = {}
         # Parameters of requests the core has not scheduled yet, by request id.
         self._incoming: dict[str, SamplingParams] = {}
+        self._incoming_mm: dict[str, MultiModalInputs] = {}
+        # Multimodal models take M-RoPE positions and image embeddings (worker/mm_state.py).
+        self.is_multimodal = bool(getattr(model, "supports_multimodal", False))
 
-    def add_request_params(self, request_id: str, params: SamplingParams) -> None:
-        """Registers a request's Python-side parameters before the core schedules it."""
+    def add_request_params(self, request_id: str, params: SamplingParams,
+                           mm_inputs: MultiModalInputs | None = None) -> None:
+        """Registers a request's Python-side parameters (and its processed images) before the
+        core schedules it."""
         self._incoming[request_id] = params
+        if mm_inputs is not None and mm_inputs.items:
+            self._incoming_mm[request_id] = mm_inputs
 
     def update_states(self, step: SchedulerOutput) -> None:
         """Drops finished requests and adds the new ones, in that order (indices are reused)."""
@@ -90,6 +99,9 @@ class ModelRunner:
         for new in step.scheduled_new_reqs:
             params = self._incoming.pop(new.request_id) if self.is_driver else _worker_params(new.sampling)
             state = CachedRequestState.create(new.request_id, params, new.prompt_token_ids, self.device)
+            mm_inputs = self._incoming_mm.pop(new.request_id, None)
+            if mm_inputs is not None:
+                state.mm = RequestMultiModal.create(self.model, mm_inputs)
             self.requests[new.req_index] = state
             self._index_of[new.request_id] = new.req_index
             if lps is not None:
@@ -99,6 +111,7 @@ class ModelRunner:
         """Hands over and forgets the state of a request whose final output the core just gave
         (its logprobs); None if it never reached the runner."""
         self._incoming.pop(request_id, None)
+        self._incoming_mm.pop(request_id, None)
         idx = self._index_of.pop(request_id, None)
         state = None if idx is None else self.requests.pop(idx, None)
         # Only the driver's logits are whole (the LM head gathers to rank 0): another rank's
@@ -113,11 +126,15 @@ class ModelRunner:
             return np.zeros(0, dtype=np.int64)
         meta = AttentionMetadata.from_step(step, self.block_size, self.device)
         input_ids = torch.from_numpy(step.input_ids).to(self.device)
-        positions = torch.from_numpy(step.positions).to(self.device)
-        hidden = self.cuda_graphs.execute(input_ids, positions, meta) if self.cuda_graphs else None
-        if hidden is None:
-            hidden = self.forward(input_ids, positions, self.kv_caches, meta)
         states = [self.requests[i] for i in step.req_indices.tolist()]
+        if self.is_multimodal:
+            positions, mm_embeds = prepare_multimodal_step(self.model, step, [s.mm for s in states], self.device)
+            hidden = self.forward(input_ids, positions, self.kv_caches, meta, mm_embeds=mm_embeds)
+        else:
+            positions = torch.from_numpy(step.positions).to(self.device)
+            hidden = self.cuda_graphs.execute(input_ids, positions, meta) if self.cuda_graphs else None
+            if hidden is None:
+                hidden = self.forward(input_ids, positions, self.kv_caches, meta)
         self._record_prompt_logprobs(step, states, hidden)
         # Only rows whose step completes their known tokens sample: a prefill chunk must not
         # draw from a seeded generator, or the output would depend on how the prompt was split.

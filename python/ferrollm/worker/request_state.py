@@ -11,6 +11,7 @@ import torch
 
 from ferrollm.model_executor.sampling_metadata import make_generator
 from ferrollm.sampling_params import SamplingParams
+from ferrollm.worker.mm_state import RequestMultiModal
 
 
 @dataclass
@@ -25,6 +26,7 @@ class CachedRequestState:
         generator: the request's own generator when it has a seed.
         sample_logprobs: per generated token, (token ids, logprobs, rank of the sampled token).
         prompt_logprobs: per prompt position after the first, (token ids, logprobs, rank).
+        mm: the request's images, M-RoPE table and kept encoder outputs (None: text only).
     """
 
     request_id: str
@@ -34,6 +36,7 @@ class CachedRequestState:
     generator: torch.Generator | None = None
     sample_logprobs: list[tuple[np.ndarray, np.ndarray, int]] = field(default_factory=list)
     prompt_logprobs: list[tuple[np.ndarray, np.ndarray, int]] = field(default_factory=list)
+    mm: RequestMultiModal | None = None
 
     @classmethod
     def create(cls, request_id: str, params: SamplingParams, prompt_token_ids: list[int], device: torch.device) -> CachedRequestState:

@@ -18,7 +18,7 @@ import torch
 from ferrollm._core import SchedulerOutput
 from ferrollm.attention.backend import allocate_kv_cache
 from ferrollm.config.compilation import CompilationConfig
-from ferrollm.config.model_config import ModelConfig
+from ferrollm.config.model_config import ModelConfig, text_config_of
 from ferrollm.engine.kv_memory import (
     CPU_BUDGET_HINT,
     bytes_per_block,
@@ -55,6 +55,9 @@ class CacheOptions:
     num_gpu_blocks_override: int | None = None
     kv_cache_memory_bytes: int | None = None
     kv_cache_dtype: str = "auto"
+    # Multimodal models: placeholder tokens a step may encode, and those of the largest image.
+    encoder_budget: int = 0
+    tokens_per_mm_item: int = 0
 
 
 class Worker:
@@ -132,7 +135,8 @@ class Worker:
         sizes = opts.compilation_config.capture_sizes if host_sync_reason(model) is None else []
         self.memory_profile = profile_memory(
             model, mc.dtype, opts.block_size, opts.max_num_batched_tokens, opts.max_num_seqs, mc.max_model_len,
-            int(mc.hf_config.vocab_size), sizes, self.device)
+            int(text_config_of(mc.hf_config).vocab_size), sizes, self.device,
+            encoder=(opts.encoder_budget, opts.tokens_per_mm_item))
         logger.info("rank %d: %s", self.rank, self.memory_profile.describe(opts.gpu_memory_utilization))
         return self.memory_profile.kv_cache_budget(opts.gpu_memory_utilization)
 
@@ -145,7 +149,7 @@ class Worker:
                                       kv_dtype, self.device)
         forward, graphs = self._gpu_forward(kv_caches) if self.device.type == "cuda" else (None, None)
         self.runner = ModelRunner(model, kv_caches, self.options.block_size, self.device,
-                                  vocab_size=int(mc.hf_config.vocab_size), eos_token_ids=eos_token_ids,
+                                  vocab_size=int(text_config_of(mc.hf_config).vocab_size), eos_token_ids=eos_token_ids,
                                   cuda_graphs=graphs, is_driver=self.rank == 0, forward=forward)
 
     def _gpu_forward(self, kv_caches: list[torch.Tensor]):

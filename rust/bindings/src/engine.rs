@@ -6,6 +6,7 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use ferrollm_core::engine::EngineCore;
+use ferrollm_core::kv_cache::MultiModalFeature;
 use ferrollm_core::{CacheConfig, EngineConfig, EngineRequest, SchedulerConfig};
 use numpy::PyReadonlyArray1;
 use pyo3::prelude::*;
@@ -45,7 +46,7 @@ impl PyEngineCore {
         *, tokenizer=None, block_size=16, num_blocks=1024, enable_prefix_caching=true,
         max_num_seqs=256, max_num_batched_tokens=8192, max_model_len=4096,
         enable_chunked_prefill=true, long_prefill_token_threshold=0, scheduling_policy="fcfs",
-        stream_outputs=false, sliding_window=None
+        stream_outputs=false, sliding_window=None, max_num_encoder_input_tokens=None
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -62,6 +63,7 @@ impl PyEngineCore {
         scheduling_policy: &str,
         stream_outputs: bool,
         sliding_window: Option<usize>,
+        max_num_encoder_input_tokens: Option<usize>,
     ) -> PyResult<Self> {
         let cfg = EngineConfig {
             cache: CacheConfig { block_size, num_blocks, enable_prefix_caching, sliding_window },
@@ -72,6 +74,8 @@ impl PyEngineCore {
                 enable_chunked_prefill,
                 long_prefill_token_threshold,
                 policy: scheduling_policy.parse().map_err(crate::errors::PyCoreError)?,
+                // vLLM's default: as many placeholder tokens as the step has tokens.
+                max_num_encoder_input_tokens: max_num_encoder_input_tokens.unwrap_or(max_num_batched_tokens),
             },
             stream_outputs,
         };
@@ -87,7 +91,9 @@ impl PyEngineCore {
     }
 
     /// Adds requests atomically; text prompts are tokenized in parallel with the GIL released.
-    #[pyo3(signature = (request_ids, prompts, params, priorities=None, cache_salts=None, add_special_tokens=true))]
+    #[pyo3(signature = (
+        request_ids, prompts, params, priorities=None, cache_salts=None, add_special_tokens=true, mm_features=None
+    ))]
     #[allow(clippy::too_many_arguments)]
     fn add_requests(
         &self,
@@ -98,6 +104,7 @@ impl PyEngineCore {
         priorities: Option<Vec<i32>>,
         cache_salts: Option<Vec<Option<String>>>,
         add_special_tokens: bool,
+        mm_features: Option<Vec<Vec<MmFeature>>>,
     ) -> PyCoreResult<()> {
         let n = request_ids.len();
         check_len("prompts", prompts.len(), n)?;
@@ -106,15 +113,22 @@ impl PyEngineCore {
         check_len("priorities", priorities.len(), n)?;
         let salts = cache_salts.unwrap_or_else(|| vec![None; n]);
         check_len("cache_salts", salts.len(), n)?;
+        let features = mm_features.unwrap_or_else(|| vec![Vec::new(); n]);
+        check_len("mm_features", features.len(), n)?;
         let sampling: Vec<_> = params.iter().map(|p| p.0.clone()).collect();
         py.detach(|| {
             let mut core = self.lock();
             let ids = tokenize(&core, prompts, add_special_tokens)?;
-            let reqs = request_ids.into_iter().zip(ids).zip(sampling).zip(priorities).zip(salts);
+            let reqs =
+                request_ids.into_iter().zip(ids).zip(sampling).zip(priorities).zip(salts).zip(features);
             let reqs = reqs
-                .map(|((((id, toks), s), priority), salt)| EngineRequest {
+                .map(|(((((id, toks), s), priority), salt), feats)| EngineRequest {
                     priority,
                     cache_salt: salt,
+                    mm_features: feats
+                        .into_iter()
+                        .map(|(identifier, offset, length)| MultiModalFeature { identifier, offset, length })
+                        .collect(),
                     ..EngineRequest::new(id, toks, s)
                 })
                 .collect();
@@ -211,6 +225,10 @@ impl PyEngineCore {
         self.lock().tokenizer().map(|t| PyTokenizer { inner: t.clone() })
     }
 }
+
+/// A multimodal item as Python passes it: (content hash, first prompt position, length). The
+/// core checks that the items are sorted, disjoint and inside the prompt.
+type MmFeature = (String, usize, usize);
 
 fn check_len(param: &str, got: usize, want: usize) -> PyCoreResult<()> {
     if got == want {

@@ -8,6 +8,7 @@ mod cpu_kernels;
 mod engine;
 mod errors;
 mod gguf;
+mod mm_cache;
 mod outputs;
 mod quant_kernels;
 mod sampling;
@@ -25,6 +26,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<outputs::PyRequestOutput>()?;
     m.add_class::<broadcast::PyStepBroadcaster>()?;
     m.add_class::<broadcast::PyStepReceiver>()?;
+    m.add_class::<mm_cache::PyMultiModalCache>()?;
     m.add_function(wrap_pyfunction!(cpu_kernels::cpu_openmp_attach, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_kernels::cpu_gemv, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_kernels::cpu_gemm_pack, m)?)?;

@@ -63,6 +63,8 @@ pub struct SchedulerConfig {
     /// others of the budget. Not applied when a single request is live: nobody would starve.
     pub long_prefill_token_threshold: usize,
     pub policy: SchedulingPolicy,
+    /// Multimodal placeholder tokens whose items may be encoded in one step.
+    pub max_num_encoder_input_tokens: usize,
 }
 
 impl Default for SchedulerConfig {
@@ -74,6 +76,7 @@ impl Default for SchedulerConfig {
             enable_chunked_prefill: true,
             long_prefill_token_threshold: 0,
             policy: SchedulingPolicy::Fcfs,
+            max_num_encoder_input_tokens: 8192,
         }
     }
 }

@@ -224,6 +224,8 @@ pub struct Request {
     pub num_preemptions: u32,
     pub cache_salt: Option<String>,
     pub mm_features: Vec<MultiModalFeature>,
+    /// Leading `mm_features` already encoded (or inside a prefix hit); see the encoder budget.
+    pub num_encoded_mm_items: usize,
     /// Hashes of the request's full blocks, extended as tokens arrive.
     pub block_hashes: Vec<BlockHash>,
     pub output_text: String,
@@ -250,6 +252,7 @@ impl Request {
             num_preemptions: 0,
             cache_salt: req.cache_salt,
             mm_features: req.mm_features,
+            num_encoded_mm_items: 0,
             block_hashes: Vec::new(),
             output_text: String::new(),
             stop_reason: None,

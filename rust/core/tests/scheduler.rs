@@ -311,3 +311,36 @@ fn sliding_window_frees_blocks_outside_the_window() {
     }
     assert_eq!(core.scheduler().kv_cache().num_free_blocks(), 10);
 }
+
+fn with_image(id: &str, p: Vec<u32>, offset: usize, length: usize) -> EngineRequest {
+    let feature =
+        ferrollm_core::kv_cache::MultiModalFeature { identifier: format!("{id}-img"), offset, length };
+    EngineRequest { mm_features: vec![feature], ..request(id, p, 2) }
+}
+
+#[test]
+fn encoder_budget_cuts_a_chunk_before_an_image_that_does_not_fit() {
+    let mut cfg = config(16, 64, 4, 256, 256);
+    cfg.scheduler.max_num_encoder_input_tokens = 30;
+    let mut core = EngineCore::new(cfg, None).unwrap();
+    core.add_request(with_image("a", prompt(1, 40), 5, 20)).unwrap();
+    core.add_request(with_image("b", prompt(2, 40), 10, 20)).unwrap();
+    let first = core.schedule();
+    // `a`'s image takes 20 of the 30; `b` runs its text up to its image only.
+    assert_eq!(first.num_scheduled_tokens, vec![40, 10]);
+    core.update(&[0, 0]).unwrap();
+    let second = core.schedule();
+    // `a` decodes; `b`'s image now fits the fresh budget and the rest of its prompt runs.
+    assert_eq!(second.num_scheduled_tokens, vec![1, 30]);
+}
+
+#[test]
+fn an_image_larger_than_the_encoder_budget_is_refused() {
+    let mut cfg = config(16, 64, 4, 256, 256);
+    cfg.scheduler.max_num_encoder_input_tokens = 16;
+    let mut core = EngineCore::new(cfg, None).unwrap();
+    let err = core.add_request(with_image("a", prompt(1, 40), 5, 20)).unwrap_err();
+    assert!(err.to_string().contains("max_num_encoder_input_tokens (16)"), "{err}");
+    let err = core.add_request(with_image("b", prompt(1, 10), 5, 20)).unwrap_err();
+    assert!(err.to_string().contains("inside the prompt"), "{err}");
+}

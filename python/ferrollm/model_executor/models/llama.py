@@ -171,8 +171,10 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(layers)
         self.norm = norm
 
-    def forward(self, input_ids, positions, kv_caches, attn_metadata):
-        hidden_states, residual = self.embed_tokens(input_ids), None
+    def forward(self, input_ids, positions, kv_caches, attn_metadata, inputs_embeds=None):
+        # Multimodal models pass the embeddings with their images' rows already merged in.
+        hidden_states = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        residual = None
         if self.embed_scale is not None:
             hidden_states = hidden_states * self.embed_scale
         for layer, kv_cache in zip(self.layers, kv_caches):

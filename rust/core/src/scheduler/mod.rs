@@ -9,6 +9,7 @@
 //! O(scheduled requests); string ids are hashed only in `add_request` and `abort`.
 
 mod build;
+mod encoder_budget;
 mod output;
 mod queue;
 mod schedule;
@@ -92,7 +93,32 @@ impl Scheduler {
         if self.ids.contains_key(&req.request_id) {
             return Err(CoreError::DuplicateRequestId(req.request_id.clone()));
         }
+        self.validate_mm_features(req)?;
         req.sampling.validate()
+    }
+
+    /// Multimodal items must be sorted, disjoint, inside the prompt and each (all of them,
+    /// without chunked prefill) within the encoder budget, or the request could never run.
+    fn validate_mm_features(&self, req: &EngineRequest) -> CoreResult<()> {
+        let budget = self.cfg.max_num_encoder_input_tokens;
+        let mut end = 0;
+        for f in &req.mm_features {
+            if f.offset < end || f.offset.checked_add(f.length).is_none_or(|e| e > req.prompt_token_ids.len())
+            {
+                let bound =
+                    format!("sorted, disjoint and inside the prompt ({} tokens)", req.prompt_token_ids.len());
+                return Err(CoreError::invalid("mm_features", bound, format!("{}..+{}", f.offset, f.length)));
+            }
+            end = f.offset + f.length;
+        }
+        let largest = req.mm_features.iter().map(|f| f.length).max().unwrap_or(0);
+        let total: usize = req.mm_features.iter().map(|f| f.length).sum();
+        let need = if self.cfg.enable_chunked_prefill { largest } else { total };
+        if need > budget {
+            let bound = format!("<= max_num_encoder_input_tokens ({budget}) placeholder tokens per step");
+            return Err(CoreError::invalid("mm_features", bound, format!("{need} tokens")));
+        }
+        Ok(())
     }
 
     /// Queues a validated request; returns its slab index.
@@ -239,6 +265,7 @@ impl Scheduler {
         let req = self.req_mut(idx);
         req.status = RequestStatus::Preempted;
         req.num_computed_tokens = 0;
+        req.num_encoded_mm_items = 0;
         req.num_preemptions += 1;
         if req.runner_view == RunnerView::Known {
             req.runner_view = RunnerView::Stale;

@@ -111,4 +111,6 @@ pub(crate) struct ScheduledRequest {
     pub num_new_tokens: usize,
     /// Blocks appended to the request's table this step (prefix hits included).
     pub new_block_ids: Vec<BlockId>,
+    /// Placeholder tokens of the multimodal items this step encodes for the request.
+    pub encoder_cost: usize,
 }

@@ -1,0 +1,171 @@
+"""Turns a prompt and its ``multi_modal_data`` into token ids with expanded placeholders and
+processed items, through the checkpoint's own image processor (``preprocessor_config.json``).
+
+For Qwen2-VL/Qwen2.5-VL a prompt holds one ``<|image_pad|>`` per image (inside
+``<|vision_start|>...<|vision_end|>``); it is expanded to the image's ``t * h * w / merge**2``
+tokens, as transformers' processor does. A prompt whose placeholders are already expanded is
+accepted too. Options: `limit_mm_per_prompt` (items per modality) and `mm_processor_kwargs`
+(the LLM's, overridden per request), checked against the keys the image processor accepts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ferrollm.exceptions import ConfigError, InvalidRequestError
+from ferrollm.multimodal.cache import MultiModalInputCache, hash_item
+from ferrollm.multimodal.inputs import MultiModalInputs, MultiModalItem
+
+__all__ = ["DEFAULT_LIMIT", "MultiModalProcessor", "check_limits"]
+
+# vLLM's default number of items per modality and prompt.
+DEFAULT_LIMIT = 999
+SUPPORTED_MODALITIES = ("image",)
+# Call options of the image processor that are not processing options.
+_NOT_OPTIONS = {"return_tensors", "device", "data_format", "input_data_format"}
+
+
+def check_limits(limits: dict[str, int] | None) -> dict[str, int]:
+    """`limit_mm_per_prompt` with every supported modality filled in.
+
+    Raises:
+        ConfigError: an unknown modality or a negative limit.
+    """
+    out = dict.fromkeys(SUPPORTED_MODALITIES, DEFAULT_LIMIT)
+    for modality, limit in (limits or {}).items():
+        if modality not in ("image", "video", "audio"):
+            raise ConfigError(f"`limit_mm_per_prompt` keys must be 'image', 'video' or 'audio'. Given: {modality!r}")
+        value = limit.get("count", DEFAULT_LIMIT) if isinstance(limit, dict) else limit
+        if not isinstance(value, int) or value < 0:
+            raise ConfigError(f"`limit_mm_per_prompt[{modality!r}]` must be an int >= 0. Given: {limit!r}")
+        out[modality] = value
+    return out
+
+
+class MultiModalProcessor:
+    """Processes one request's multimodal data.
+
+    Args:
+        folder: the checkpoint folder (its ``preprocessor_config.json``).
+        hf_config: the model's config (``image_token_id``, the vision config's merge size).
+        limits: from :func:`check_limits`.
+        default_kwargs: the LLM's `mm_processor_kwargs`.
+        cache: the processed-input cache.
+    """
+
+    def __init__(self, folder: Path, hf_config: Any, limits: dict[str, int], default_kwargs: dict[str, Any] | None,
+                 cache: MultiModalInputCache):
+        import transformers
+        from transformers import AutoImageProcessor
+
+        # transformers 5 picks a torchvision backend when installed and warns when not: ask for
+        # the PIL one (what the tests compare with) so the output does not depend on that.
+        backend = {"backend": "pil"} if int(transformers.__version__.split(".")[0]) >= 5 else {}
+        self.image_processor = AutoImageProcessor.from_pretrained(str(folder), **backend)
+        self.image_token_id = int(hf_config.image_token_id)
+        self.merge = int(hf_config.vision_config.spatial_merge_size)
+        self.limits = limits
+        self.cache = cache
+        annotations = getattr(getattr(self.image_processor, "valid_kwargs", None), "__annotations__", {})
+        self.accepted_kwargs = sorted(set(annotations) - _NOT_OPTIONS)
+        self.default_kwargs = self._check_kwargs(default_kwargs or {}, ConfigError)
+
+    def max_tokens_per_item(self) -> int:
+        """Placeholder tokens of the largest image the LLM-level options allow (an image is
+        resized to at most ``max_pixels``, one token per merged ``(patch * merge)**2`` pixels)."""
+        size = self._call_kwargs(self.default_kwargs).get("size") or self.image_processor.size
+        size = dict(size)
+        patch = int(self.default_kwargs.get("patch_size") or self.image_processor.patch_size)
+        return int(size.get("longest_edge") or size.get("max_pixels") or 0) // (patch * self.merge) ** 2
+
+    def _check_kwargs(self, kwargs: dict[str, Any], error: type[Exception]) -> dict[str, Any]:
+        unknown = sorted(set(kwargs) - set(self.accepted_kwargs))
+        if unknown:
+            raise error(f"`mm_processor_kwargs` keys must be ones {type(self.image_processor).__name__} accepts: "
+                        f"{self.accepted_kwargs}. Given: {unknown}")
+        return dict(kwargs)
+
+    def process(self, token_ids: list[int], mm_data: dict[str, Any],
+                request_kwargs: dict[str, Any] | None = None) -> MultiModalInputs:
+        """Expands the placeholders of ``token_ids`` for the images of ``mm_data``.
+
+        Raises:
+            InvalidRequestError: an unsupported modality, more items than `limit_mm_per_prompt`
+                allows, unknown `mm_processor_kwargs`, or placeholders that do not match the items.
+        """
+        images = self._items(mm_data)
+        kwargs = {**self.default_kwargs, **self._check_kwargs(request_kwargs or {}, InvalidRequestError)}
+        processed = [self._process_image(image, kwargs) for image in images]
+        return self._expand(token_ids, processed)
+
+    def _items(self, mm_data: dict[str, Any]) -> list[Any]:
+        for modality in mm_data:
+            if modality not in SUPPORTED_MODALITIES:
+                raise InvalidRequestError(f"`multi_modal_data` keys must be one of {list(SUPPORTED_MODALITIES)} "
+                                          f"(video is not supported yet). Given: {modality!r}")
+        images = mm_data.get("image", [])
+        images = list(images) if isinstance(images, (list, tuple)) else [images]
+        limit = self.limits["image"]
+        if len(images) > limit:
+            raise InvalidRequestError(f"At most {limit} image(s) may be provided in one prompt "
+                                      f"(limit_mm_per_prompt['image']={limit}). Given: {len(images)}")
+        return images
+
+    def _process_image(self, image: Any, kwargs: dict[str, Any]) -> tuple[str, Any, tuple[int, int, int]]:
+        identifier = hash_item("image", image, kwargs)
+        hit = self.cache.get(identifier)
+        if hit is not None:
+            return identifier, hit[0], hit[1]
+        out = self.image_processor(images=[image], return_tensors="pt", **self._call_kwargs(kwargs))
+        pixel_values = out["pixel_values"]
+        grid = tuple(int(x) for x in out["image_grid_thw"][0].tolist())
+        self.cache.put(identifier, pixel_values, grid)  # type: ignore[arg-type]
+        return identifier, pixel_values, grid  # type: ignore[return-value]
+
+    def _call_kwargs(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """vLLM's `min_pixels`/`max_pixels` as the ``size`` bounds transformers now reads (the
+        bare keys are deprecated there); the other keys as given."""
+        kwargs = dict(kwargs)
+        if "min_pixels" in kwargs or "max_pixels" in kwargs:
+            size = dict(kwargs.pop("size", None) or self.image_processor.size)
+            size = {k: v for k, v in size.items() if v is not None}
+            if "min_pixels" in kwargs:
+                size["shortest_edge"] = kwargs.pop("min_pixels")
+            if "max_pixels" in kwargs:
+                size["longest_edge"] = kwargs.pop("max_pixels")
+            kwargs["size"] = size
+        return kwargs
+
+    def _expand(self, token_ids: list[int], processed: Sequence[tuple[str, Any, tuple[int, int, int]]]) -> MultiModalInputs:
+        lengths = [t * h * w // self.merge**2 for _, _, (t, h, w) in processed]
+        ids = np.asarray(token_ids, dtype=np.int64)
+        positions = np.flatnonzero(ids == self.image_token_id)
+        if len(positions) == len(processed):
+            starts = positions.tolist()
+            pieces, cursor, out_ids = [], 0, []
+            for start, n in zip(starts, lengths):
+                out_ids.extend(token_ids[cursor:start])
+                pieces.append(len(out_ids))
+                out_ids.extend([self.image_token_id] * n)
+                cursor = start + 1
+            out_ids.extend(token_ids[cursor:])
+        else:
+            pieces = self._expanded_runs(positions, lengths)
+            out_ids = list(token_ids)
+        items = [MultiModalItem("image", ident, off, n, pv, grid)
+                 for (ident, pv, grid), off, n in zip(processed, pieces, lengths)]
+        return MultiModalInputs(out_ids, items)
+
+    def _expanded_runs(self, positions: np.ndarray, lengths: list[int]) -> list[int]:
+        """The starts of already expanded placeholder runs, when they match the items exactly."""
+        runs = np.split(positions, np.flatnonzero(np.diff(positions) != 1) + 1) if len(positions) else []
+        if [len(r) for r in runs] == lengths:
+            return [int(r[0]) for r in runs]
+        raise InvalidRequestError(
+            f"the prompt has {len(positions)} image placeholder token(s) (id {self.image_token_id}) in "
+            f"{len(runs)} run(s), but `multi_modal_data` has {len(lengths)} image(s): each image needs one "
+            f"placeholder (or a run of exactly its {lengths} expanded tokens)")

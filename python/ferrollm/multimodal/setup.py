@@ -1,0 +1,56 @@
+"""Builds the engine's multimodal processor from `LLM`'s options (`limit_mm_per_prompt`,
+`mm_processor_kwargs`, `mm_processor_cache_gb`), or none for a text model."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from ferrollm.exceptions import ConfigError
+from ferrollm.multimodal.cache import MultiModalInputCache, cache_capacity_bytes
+from ferrollm.multimodal.processor import MultiModalProcessor, check_limits
+
+__all__ = ["MultiModalProcessor", "build_mm_processor", "is_multimodal"]
+
+logger = logging.getLogger(__name__)
+
+
+def is_multimodal(model_config) -> bool:
+    """Whether the resolved model class takes images."""
+    from ferrollm.model_executor.registry import ModelRegistry
+
+    archs = list(getattr(model_config.hf_config, "architectures", None) or [])
+    return bool(getattr(ModelRegistry.resolve(archs), "supports_multimodal", False))
+
+
+def build_mm_processor(args: Any, model_config) -> MultiModalProcessor | None:
+    """The processor of a multimodal model; None for a text model. When every modality's limit
+    is 0 the model config is marked text-only, so the vision tower is not built.
+
+    Raises:
+        ConfigError: multimodal options on a text model, bad limits or processor kwargs, or
+            images with `tensor_parallel_size` > 1 (not supported yet).
+    """
+    if model_config.is_pooling or not is_multimodal(model_config):
+        given = [n for n in ("limit_mm_per_prompt", "mm_processor_kwargs") if getattr(args, n, None)]
+        if given:
+            raise ConfigError(f"`{given[0]}` applies to multimodal models only; {model_config.architecture} "
+                              "takes text only")
+        return None
+    from ferrollm.model_executor.models.qwen2_vl import TEXT_ONLY_ATTR
+
+    limits = check_limits(args.limit_mm_per_prompt)
+    text_only = all(v == 0 for v in limits.values()) or bool(getattr(args, "language_model_only", False))
+    if text_only:
+        # The processor still runs, to refuse images with the limit in the message.
+        limits = dict.fromkeys(limits, 0)
+        setattr(model_config.hf_config, TEXT_ONLY_ATTR, True)
+        logger.info("limit_mm_per_prompt is 0 for every modality (or language_model_only): the vision tower "
+                    "is not loaded")
+    elif args.tensor_parallel_size > 1:
+        raise ConfigError("`tensor_parallel_size` must be 1 for image inputs (not supported yet); pass "
+                          "limit_mm_per_prompt={'image': 0} to run the model on text only. "
+                          f"Given: {args.tensor_parallel_size}")
+    folder = model_config.source.folder
+    cache = MultiModalInputCache(cache_capacity_bytes(args.mm_processor_cache_gb))
+    return MultiModalProcessor(folder, model_config.hf_config, limits, args.mm_processor_kwargs, cache)
