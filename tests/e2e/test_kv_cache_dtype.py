@@ -38,6 +38,7 @@ def test_fp8_cache_takes_half_of_bf16s_bytes_per_token(tiny_llama, caplog):
     with caplog.at_level(logging.INFO, logger="ferrollm"), LLM(model=str(path), dtype="bfloat16", max_model_len=64,
                                                                 kv_cache_dtype="fp8") as llm:
         assert all(t.element_size() == 1 for t in llm.llm_engine.runner.kv_caches)
+        assert llm.llm_engine.vllm_config.cache_config.cache_dtype == "fp8"
         out = llm.generate(["hello"], greedy(4), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4
     assert _bytes_per_token(caplog.text) * 2 == bf16_per_token

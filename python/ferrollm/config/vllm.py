@@ -76,9 +76,10 @@ def build_vllm_config(args: Any, model_config: ModelConfig, num_gpu_blocks: int 
     return VllmConfig(
         model_config=model_config,
         cache_config=CacheConfig(args.block_size, args.gpu_memory_utilization, bool(args.enable_prefix_caching),
-                                 num_gpu_blocks),
+                                 num_gpu_blocks, args.kv_cache_dtype),
         parallel_config=ParallelConfig(args.tensor_parallel_size, args.distributed_executor_backend),
-        scheduler_config=SchedulerConfig(args.max_num_seqs, max_num_batched_tokens, model_config.max_model_len),
+        scheduler_config=SchedulerConfig(args.max_num_seqs, max_num_batched_tokens, model_config.max_model_len,
+                                         args.scheduling_policy, args.enable_chunked_prefill is not False),
         load_config=LoadConfig(args.load_format, args.download_dir, bool(args.use_tqdm_on_load)),
         compilation_config=CompilationConfig.from_value(args.compilation_config),
     )
