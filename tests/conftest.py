@@ -11,8 +11,12 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-import ferrollm
-from helpers.checkpoints import tiny_bert, tiny_llama, tiny_qwen2  # noqa: F401  (fixtures)
+# fp32 test checkpoints keep running fp32 under dtype="auto" on CPUs with native bf16 too (greedy
+# parity with transformers stays exact); set before any engine or worker process starts.
+os.environ.setdefault("FERROLLM_CPU_NATIVE_BF16", "0")
+
+import ferrollm  # noqa: E402
+from helpers.checkpoints import tiny_bert, tiny_llama, tiny_qwen2  # noqa: F401,E402  (fixtures)
 
 CORPUS = [
     "Hello world, the quick brown fox jumps over the lazy dog.",
