@@ -15,8 +15,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 # parity with transformers stays exact); set before any engine or worker process starts.
 os.environ.setdefault("FERROLLM_CPU_NATIVE_BF16", "0")
 
-import ferrollm  # noqa: E402
-from helpers.checkpoints import tiny_bert, tiny_llama, tiny_qwen2  # noqa: F401,E402  (fixtures)
+import ferrollm
+from helpers.checkpoints import tiny_bert, tiny_llama, tiny_qwen2  # noqa: F401  (fixtures)
 
 CORPUS = [
     "Hello world, the quick brown fox jumps over the lazy dog.",

@@ -8,7 +8,6 @@ import logging
 
 import pytest
 import torch
-
 from ferrollm.config import model_config
 from ferrollm.config.model_config import resolve_dtype
 
