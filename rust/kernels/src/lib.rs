@@ -34,6 +34,7 @@ pub mod cache;
 mod element;
 mod error;
 pub mod gemm;
+pub mod gemm_bf16;
 pub mod gemv;
 pub mod norm;
 pub mod openmp;
