@@ -1,12 +1,13 @@
 //! `out = x · weightᵀ + bias` from a bf16 weight packed once into panels of column pairs
 //! ([`pack_weight_bf16`]), accumulated in f32: the linear layers of a bf16 model, one decode row
 //! to a prefill slab. `x`, `bias` and `out` are f32 or bf16 ([`Element`]); `x` is widened to f32
-//! (or, on the AVX512-BF16 path, rounded to bf16 pairs) once per call, and each result is
-//! rounded to the output type once.
+//! (or, bf16 on the AVX512-BF16 path, paired up) once per call, and each result is rounded to the
+//! output type once.
 //!
 //! Paths ([`Bf16Kernel`], the widest the CPU runs unless asked for another):
 //! - `Avx512Bf16`: `vdpbf16ps`, two multiply-adds of bf16 pairs per f32 lane, 8 rows × 48
-//!   columns of accumulators (module `avx512`).
+//!   columns of accumulators (module `avx512`), for bf16 `x`; f32 `x` takes `Avx512`, so it is
+//!   never rounded.
 //! - `Avx512`: AVX-512F, each load of 32 weights widened in registers to the even-`k` and odd-`k`
 //!   vectors (a shift and a mask), 8 rows × 48 columns.
 //! - `Avx2`: the same with 8-lane vectors, 6 rows × 16 columns (12 accumulators of the 16
@@ -122,6 +123,14 @@ pub fn gemm_bf16<T: Element>(
     if out.is_empty() {
         return Ok(());
     }
+    // `vdpbf16ps` multiplies bf16 pairs: fp32 activations would be rounded to bf16 on the way, so
+    // they take the widening AVX-512F loop and stay exact.
+    let kernel = match kernel {
+        Bf16Kernel::Avx512Bf16 if std::any::TypeId::of::<T>() == std::any::TypeId::of::<f32>() => {
+            Bf16Kernel::Avx512
+        }
+        other => other,
+    };
     let (xf, xp) = match kernel {
         Bf16Kernel::Avx512Bf16 => (Vec::new(), bf16_pairs(x, rows, panels)),
         _ => (widened(x, rows, panels), Vec::new()),
