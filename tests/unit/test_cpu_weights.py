@@ -110,6 +110,9 @@ def test_packed_bf16_matches_float32_arithmetic_and_unpacks_exactly(monkeypatch,
     out32 = form.linear(x.float(), bias)
     assert out32.dtype == torch.float32
     torch.testing.assert_close(out32, want, rtol=1e-5, atol=1e-4)
+    # Leading dimensions flatten to rows, and no rows give an empty product.
+    torch.testing.assert_close(form.linear(x.float().unsqueeze(0), bias)[0], out32)
+    assert form.linear(x[:0], bias).shape == (0, 40)
 
 
 def test_a_mismatched_input_dtype_falls_back_to_f_linear():

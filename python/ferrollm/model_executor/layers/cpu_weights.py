@@ -293,8 +293,11 @@ class PackedBf16Weight:
         return {self.weight.data_ptr(): self.nbytes}
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if x.dim() == 2 and x.shape[0] >= 1 and x.dtype in (torch.float32, torch.bfloat16) and x.is_cpu:
-            return gemm_bf16.linear(x, self.weight, bias, self.out_features)
+        if x.is_cpu and x.dtype in (torch.float32, torch.bfloat16) and x.dim() >= 1:
+            # Any leading shape (no rows included) flattens to rows; the kernel takes none.
+            out = gemm_bf16.linear(x.reshape(-1, self.in_features), self.weight, bias, self.out_features)
+            return out.view(*x.shape[:-1], self.out_features)
+        # Unpacks the whole weight on every call: only for inputs no CPU model passes.
         return F.linear(x, self.dense().to(x.dtype), bias)
 
     def dense(self) -> torch.Tensor:
