@@ -11,6 +11,10 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
+# fp32 test checkpoints keep running fp32 under dtype="auto" on CPUs with native bf16 too (greedy
+# parity with transformers stays exact); set before any engine or worker process starts.
+os.environ.setdefault("FERROLLM_CPU_NATIVE_BF16", "0")
+
 import ferrollm
 from helpers.checkpoints import tiny_bert, tiny_llama, tiny_qwen2  # noqa: F401  (fixtures)
 

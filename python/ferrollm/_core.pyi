@@ -19,6 +19,10 @@ __all__ = [
     "__version__",
     "cpu_fp8_linear",
     "cpu_gemm",
+    "cpu_gemm_bf16",
+    "cpu_gemm_bf16_kernel",
+    "cpu_gemm_bf16_pack",
+    "cpu_gemm_bf16_packed_len",
     "cpu_gemm_pack",
     "cpu_gemm_packed_len",
     "cpu_gemm_silu_mul",
@@ -304,6 +308,24 @@ def cpu_gemv(
     threads: int,
 ) -> None: ...
 def cpu_gemm_vectorized() -> bool: ...
+def cpu_gemm_bf16_kernel() -> str: ...
+def cpu_gemm_bf16_packed_len(out_features: int, in_features: int) -> int: ...
+def cpu_gemm_bf16_pack(
+    weight: _Buffer, packed: _Buffer, out_features: int, in_features: int, first_row: int, rows: int, stride: int,
+    threads: int,
+) -> None: ...
+def cpu_gemm_bf16(
+    dtype: str,
+    x: _Buffer,
+    packed: _Buffer,
+    bias: _Buffer | None,
+    out: _Buffer,
+    rows: int,
+    out_features: int,
+    in_features: int,
+    kernel: str,
+    threads: int,
+) -> None: ...
 def cpu_gemm_packed_len(out_features: int, in_features: int) -> int: ...
 def cpu_gemm_pack(
     weight: _Buffer, packed: _Buffer, out_features: int, in_features: int, first_row: int, rows: int, stride: int,

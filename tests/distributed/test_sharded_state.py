@@ -43,3 +43,14 @@ def test_example_script_saves_two_ranks_that_load_back_and_refuse_one(tiny_qwen2
         assert_same(run(llm), expected)
     with pytest.raises(CheckpointError, match=r"saved with tensor_parallel_size=2, but this engine runs tensor_parallel_size=1"):
         LLM(str(out), load_format="sharded_state", **ENGINE)
+
+
+def test_bf16_round_trip_at_two_ranks_unpacks_the_packed_bf16_weights(tiny_llama, tmp_path):
+    # bf16 layers keep only their packed panels: saving rebuilds each plain weight from them, and
+    # under TP each rank packed its own slices (strided columns of the row-parallel weights).
+    folder, kw = tiny_llama[0], dict(ENGINE, dtype="bfloat16", tensor_parallel_size=2)
+    with LLM(str(folder), **kw) as llm:
+        expected = run(llm)
+        llm.save_sharded_state(str(tmp_path))
+    with LLM(str(tmp_path), load_format="sharded_state", **kw) as llm:
+        assert_same(run(llm), expected)

@@ -13,6 +13,7 @@ from ferrollm.model_executor.layers.cpu_gemm import MLP_SLAB_ROWS, row_slabs
 from ferrollm.model_executor.layers.cpu_weights import (
     DenseRows,
     OneDnnWeight,
+    PackedBf16Weight,
     PackedWeight,
     RowBlocks,
     cpu_weight_form,
@@ -79,10 +80,39 @@ def test_the_form_follows_the_device_the_dtype_and_the_cpu(monkeypatch):
     assert cpu_weight_form(cpu, torch.float16) is None
     own = KERNELS and _core.cpu_gemm_vectorized()
     assert cpu_weight_form(cpu, torch.float32) == ("packed" if own else "rows")
-    assert cpu_weight_form(cpu, torch.bfloat16) == ("onednn" if BF16_ONEDNN else "rows")
+    assert cpu_weight_form(cpu, torch.bfloat16) == ("packed_bf16" if KERNELS else "rows")
     if KERNELS:
         monkeypatch.setenv("FERROLLM_CPU_GEMM", "portable")
         assert cpu_weight_form(cpu, torch.float32) == "packed"
+        assert cpu_weight_form(cpu, torch.bfloat16) == "packed_bf16"
+        monkeypatch.setenv("FERROLLM_CPU_GEMM", "onednn")
+        assert cpu_weight_form(cpu, torch.bfloat16) == ("onednn" if BF16_ONEDNN else "packed_bf16")
+
+
+@needs_kernels
+@pytest.mark.parametrize("portable", [False, True])
+@pytest.mark.parametrize("rows", [1, 2, 3, 64])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_packed_bf16_matches_float32_arithmetic_and_unpacks_exactly(monkeypatch, portable, rows, with_bias):
+    if portable:
+        monkeypatch.setenv("FERROLLM_CPU_GEMM", "portable")
+    x, weight, bias = _case(torch.bfloat16, rows, with_bias)
+    # q/k/v-like blocks, one a strided view (a rank's columns of a row-parallel weight).
+    wide = torch.cat([weight, torch.zeros(40, 5, dtype=torch.bfloat16)], dim=1)
+    blocks = [(0, weight[:24]), (24, wide[24:32, :96]), (32, weight[32:])]
+    form = PackedBf16Weight(blocks, 40, 96)
+    assert torch.equal(form.dense(), weight)
+    out = form.linear(x, bias)
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, 40)
+    want = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+    torch.testing.assert_close(out.float(), want, rtol=1e-2, atol=2e-2)
+    # fp32 activations against the same bf16 weight: fp32 out, one rounding of the sum apart.
+    out32 = form.linear(x.float(), bias)
+    assert out32.dtype == torch.float32
+    torch.testing.assert_close(out32, want, rtol=1e-5, atol=1e-4)
+    # Leading dimensions flatten to rows, and no rows give an empty product.
+    torch.testing.assert_close(form.linear(x.float().unsqueeze(0), bias)[0], out32)
+    assert form.linear(x[:0], bias).shape == (0, 40)
 
 
 def test_a_mismatched_input_dtype_falls_back_to_f_linear():

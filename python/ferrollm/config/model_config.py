@@ -4,6 +4,9 @@ architecture resolved, whether it generates or pools, and the dtype and `max_mod
 from __future__ import annotations
 
 import copy
+import functools
+import logging
+import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -20,6 +23,8 @@ from ferrollm.config.pooler_config import (
     resolve_runner,
 )
 from ferrollm.exceptions import ConfigError
+
+logger = logging.getLogger(__name__)
 
 HfOverrides = Mapping[str, Any] | Callable[[Any], Any] | None
 
@@ -57,19 +62,68 @@ def apply_hf_overrides(hf_config: Any, overrides: HfOverrides) -> Any:
     return hf_config
 
 
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU has native bf16 dot products (AVX512-BF16's ``vdpbf16ps`` or AMX tiles),
+    from the kernel's flags in /proc/cpuinfo (False where that file is missing: macOS, ARM).
+    ``FERROLLM_CPU_NATIVE_BF16=0``/``1`` overrides the answer: the tests pin it to 0 so their
+    fp32 checkpoints keep running fp32 (and greedy parity stays exact) on any CPU."""
+    forced = os.environ.get("FERROLLM_CPU_NATIVE_BF16")
+    if forced in ("0", "1"):
+        return forced == "1"
+    return bool(_cpu_flags() & {"avx512_bf16", "amx_bf16"})
+
+
+@functools.cache
+def _cpu_flags() -> frozenset[str]:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as info:
+            for line in info:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
 def resolve_dtype(dtype: str | torch.dtype, config_dtype: Any, device: torch.device) -> torch.dtype:
-    """`auto` keeps the checkpoint's dtype on CUDA (fp32 checkpoints run in bf16) and runs fp32
-    on the CPU, where fp32 matmuls are several times faster than bf16 without native support."""
+    """The dtype weights and activations run in; ``"auto"`` is decided from the checkpoint's
+    ``torch_dtype`` and the device, and logged at INFO with its reason.
+
+    On CUDA, ``auto`` keeps the checkpoint's dtype (fp32 checkpoints run in bf16). On the CPU:
+    bf16 checkpoints run bf16; fp16 ones run bf16 too (the CPU kernels have no fp16 path, and bf16
+    keeps fp16's range); fp32 ones run bf16 only where the CPU has native bf16 dot products
+    (`cpu_has_native_bf16`), else fp32, where fp32 matmuls are the faster ones. An explicit
+    dtype (``"float32"``) always wins.
+
+    vLLM's CPU platform (vllm/platforms/cpu.py ``supported_dtypes``, resolved by its model
+    config's auto-dtype rule) lists bf16 first on x86, so it turns fp32 checkpoints into bf16 on
+    every x86 CPU, with or without native bf16; and it keeps fp16 checkpoints fp16. We differ on
+    both: fp32 stays fp32 without native bf16 (bf16 there is converted in registers and buys
+    only memory), and fp16 becomes bf16.
+    """
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype != "auto":
         if dtype not in _DTYPES:
             raise ConfigError(f"`dtype` must be 'auto' or one of {sorted(_DTYPES)}. Given: {dtype!r}")
         return _DTYPES[dtype]
-    if device.type == "cpu":
-        return torch.float32
-    cfg = config_dtype if isinstance(config_dtype, torch.dtype) else _DTYPES.get(str(config_dtype), torch.bfloat16)
-    return torch.bfloat16 if cfg == torch.float32 else cfg
+    cfg = config_dtype if isinstance(config_dtype, torch.dtype) else _DTYPES.get(str(config_dtype).removeprefix("torch."))
+    if device.type != "cpu":
+        cfg = cfg or torch.bfloat16
+        return torch.bfloat16 if cfg == torch.float32 else cfg
+    resolved, reason = _resolve_cpu_auto(cfg)
+    logger.info("dtype='auto' resolved to %s on the CPU: %s", str(resolved).removeprefix("torch."), reason)
+    return resolved
+
+
+def _resolve_cpu_auto(cfg: torch.dtype | None) -> tuple[torch.dtype, str]:
+    if cfg in (torch.bfloat16, torch.float16):
+        name = "bf16" if cfg == torch.bfloat16 else "fp16 (no fp16 CPU kernels; bf16 keeps its range)"
+        return torch.bfloat16, f"the checkpoint is {name}"
+    what = "fp32" if cfg == torch.float32 else f"{cfg or 'unknown'}"
+    if cpu_has_native_bf16():
+        return torch.bfloat16, f"the checkpoint is {what} and this CPU has native bf16 dot products (AVX512-BF16/AMX)"
+    return torch.float32, f"the checkpoint is {what} and this CPU has no native bf16 dot products (AVX512-BF16/AMX)"
 
 
 def text_config_of(hf_config: Any) -> Any:

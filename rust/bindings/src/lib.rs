@@ -7,6 +7,7 @@ mod buffers;
 mod cpu_kernels;
 mod engine;
 mod errors;
+mod gemm_bf16;
 mod gguf;
 mod mm_cache;
 mod outputs;
@@ -45,6 +46,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(gguf::cpu_gguf_supported, m)?)?;
     m.add_function(wrap_pyfunction!(gguf::cpu_gguf_dequantize, m)?)?;
     quant_kernels::register(m)?;
+    gemm_bf16::register(m)?;
     m.add_function(wrap_pyfunction!(gguf::cpu_gguf_linear_supported, m)?)?;
     m.add_function(wrap_pyfunction!(gguf::cpu_gguf_linear, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;

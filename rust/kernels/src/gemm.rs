@@ -16,7 +16,7 @@
 //! 7-45% faster at every size measured (`benches/cpu_gemm.py` compares the two; this VM's
 //! figures move 10-30% between runs).
 //!
-//! bf16 stays with oneDNN, which runs it with the CPU's native AVX512-BF16 dot products.
+//! bf16 weights have their own GEMM, on the same column panels: [`crate::gemm_bf16`].
 
 use std::ops::Range;
 

@@ -3,7 +3,8 @@
 - :func:`gemv`: the matrix-vector product that decode steps with a few rows spend most of their
   time in, streaming each weight once;
 - :func:`gemm` on a weight packed by :func:`gemm_pack`: the fp32 matrix product from two rows
-  on (batched decode steps, prefill slabs), on AVX-512 CPUs;
+  on (batched decode steps, prefill slabs), on AVX-512 CPUs; its bf16-weight sibling, on any
+  CPU, is :mod:`ferrollm.kernels.cpu.gemm_bf16`;
 - :func:`paged_prefill`: a request's prompt attention over its paged context (flash attention
   on AVX-512 CPUs), ~3x torch's fused attention, which also needed the context gathered first;
 - :func:`rms_norm` / :func:`fused_add_rms_norm`, :func:`silu_and_mul`, :func:`rotary_neox` and

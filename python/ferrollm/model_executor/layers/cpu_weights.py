@@ -16,8 +16,14 @@ picks it once per model, before loading):
   from 1 to 128 rows (a [9728, 896] gate/up: 2.2 against 2.3 ms at 4 rows, 5.2 against 5.2 at 32,
   16.5 against 16.1 at 128), so the blocked copy, which doubled the weights, is gone. Copying the
   0.94 GB of merged q/k/v and gate/up weights into fresh memory took 2.2 s of start-up on that VM.
-- ``"onednn"``, bf16 where oneDNN runs it natively (AVX512-BF16, AMX): `OneDnnWeight`, the dense
-  weight and oneDNN's blocked copy, as before; bf16 through ferrollm's own kernels is still open.
+- ``"packed_bf16"``, bf16 where ferrollm's kernels run: `PackedBf16Weight`, the bf16 GEMM's
+  panels of column pairs (`kernels.cpu.gemm_bf16`), packed straight from each checkpoint tensor as
+  ``"packed"`` is; every product, one row to a prefill, runs on it, summed in fp32. On the 2-core
+  AVX2 development machine torch's own bf16 matmul (oneDNN has no bf16 there) was 4-9x slower
+  from 8 rows on, and the kernel streams one or two rows as fast as the GEMV on the plain weight.
+- ``"onednn"``, bf16 with ``FERROLLM_CPU_GEMM=onednn`` where oneDNN runs it natively
+  (AVX512-BF16, AMX): `OneDnnWeight`, the dense weight and oneDNN's blocked copy, the form bf16
+  took before ``"packed_bf16"``, kept to compare the two.
 
 A layer's own ``weight`` parameter then stays on the meta device (shape and dtype, no memory);
 `dense()` rebuilds the plain weight where one is needed (saving sharded state).
@@ -34,22 +40,25 @@ import torch
 import torch.nn.functional as F
 
 from ferrollm.kernels import cpu as cpu_kernels
+from ferrollm.kernels.cpu import gemm_bf16
 from ferrollm.exceptions import CheckpointError
 from ferrollm.model_executor.weight_utils import is_shareable, materialize
 
-__all__ = ["CpuWeight", "DenseRows", "OneDnnWeight", "PackedWeight", "RowBlocks", "build_cpu_weight",
+__all__ = ["CpuWeight", "DenseRows", "OneDnnWeight", "PackedBf16Weight", "PackedWeight", "RowBlocks", "build_cpu_weight",
            "checkpoint_mappings", "cpu_weight_form", "dense_linear", "release_pages"]
 
 
 def cpu_weight_form(device: torch.device, dtype: torch.dtype) -> str | None:
-    """The form CPU linear layers of ``dtype`` keep their weights in: ``"packed"``, ``"onednn"``,
-    ``"rows"``, or None (not the CPU, or a dtype the kernels do not take: plain `F.linear`)."""
+    """The form CPU linear layers of ``dtype`` keep their weights in: ``"packed"``, ``"packed_bf16"``,
+    ``"onednn"``, ``"rows"``, or None (not the CPU, or a dtype the kernels do not take: plain `F.linear`)."""
     if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
         return None
     if cpu_kernels.gemm_supported(torch.empty(0, 0, dtype=dtype)):
         return "packed"
-    if dtype == torch.bfloat16 and _onednn_runs(dtype):
+    if dtype == torch.bfloat16 and os.environ.get("FERROLLM_CPU_GEMM") == "onednn" and _onednn_runs(dtype):
         return "onednn"
+    if gemm_bf16.supported(torch.empty(0, 0, dtype=dtype)):
+        return "packed_bf16"
     return "rows"
 
 
@@ -265,7 +274,38 @@ class PackedWeight:
         return torch.cat([cpu_kernels.gemm_unpack(self._part(i), width, self.in_features) for i in range(parts)])
 
 
-CpuWeight = DenseRows | OneDnnWeight | PackedWeight
+class PackedBf16Weight:
+    """The ``"packed_bf16"`` form: the bf16 GEMM's panels (`kernels.cpu.gemm_bf16`), one copy,
+    packed block by block as the rows arrive; products take fp32 or bf16 ``x`` and return its
+    dtype, summed in fp32."""
+
+    def __init__(self, blocks: list[tuple[int, torch.Tensor]], out_features: int, in_features: int):
+        self.out_features, self.in_features = out_features, in_features
+        self.dtype = torch.bfloat16
+        # Zeroed: padding columns, and the odd half of the last pair of an odd `in_features`.
+        self.weight = torch.zeros(gemm_bf16.packed_len(out_features, in_features), dtype=torch.bfloat16)
+        for first, block in blocks:
+            gemm_bf16.pack_rows(block, self.weight, out_features, first)
+            release_pages(block)
+        self.nbytes = self.weight.numel() * 2
+
+    def tensors(self) -> dict[int, int]:
+        return {self.weight.data_ptr(): self.nbytes}
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if x.is_cpu and x.dtype in (torch.float32, torch.bfloat16) and x.dim() >= 1:
+            # Any leading shape (no rows included) flattens to rows; the kernel takes none.
+            out = gemm_bf16.linear(x.reshape(-1, self.in_features), self.weight, bias, self.out_features)
+            return out.view(*x.shape[:-1], self.out_features)
+        # Unpacks the whole weight on every call: only for inputs no CPU model passes.
+        return F.linear(x, self.dense().to(x.dtype), bias)
+
+    def dense(self) -> torch.Tensor:
+        """The plain ``[out_features, in_features]`` weight, unpacked (for saving)."""
+        return gemm_bf16.unpack(self.weight, self.out_features, self.in_features)
+
+
+CpuWeight = DenseRows | OneDnnWeight | PackedBf16Weight | PackedWeight
 
 
 def build_cpu_weight(form: str, blocks: list[tuple[int, torch.Tensor]], out_features: int, in_features: int,
@@ -274,6 +314,8 @@ def build_cpu_weight(form: str, blocks: list[tuple[int, torch.Tensor]], out_feat
     tile it: `RowBlocks.ordered`)."""
     if form == "packed":
         return PackedWeight(blocks, out_features, in_features, gated=gated)
+    if form == "packed_bf16":
+        return PackedBf16Weight(blocks, out_features, in_features)
     if form == "onednn":
         return OneDnnWeight(blocks)
     return DenseRows(blocks)
