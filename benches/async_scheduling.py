@@ -41,6 +41,42 @@ def run(llm: LLM, prompts: list[dict], params: SamplingParams) -> tuple[float, i
     return time.perf_counter() - start, sum(len(o.outputs[0].token_ids) for o in outs)
 
 
+class _TimedCore:
+    """Stands in for an engine's core and sums the time of its schedule and update calls."""
+
+    def __init__(self, core) -> None:
+        self._core = core
+        self.seconds = {"schedule": 0.0, "update": 0.0}
+
+    def __getattr__(self, name):
+        return getattr(self._core, name)
+
+    def schedule(self):
+        start = time.perf_counter()
+        out = self._core.schedule()
+        self.seconds["schedule"] += time.perf_counter() - start
+        return out
+
+    def update(self, sampled):
+        start = time.perf_counter()
+        out = self._core.update(sampled)
+        self.seconds["update"] += time.perf_counter() - start
+        return out
+
+
+def breakdown(llm: LLM, prompts: list[dict], params: SamplingParams) -> str:
+    """How much of a run the core's schedule and update take: the most overlap could hide."""
+    engine = llm.llm_engine
+    timed = _TimedCore(engine.core)
+    engine.core = timed
+    try:
+        secs, _ = run(llm, prompts, params)
+    finally:
+        engine.core = timed._core
+    parts = ", ".join(f"{k} {v * 1e3:.1f} ms ({100 * v / secs:.2f}%)" for k, v in timed.seconds.items())
+    return f"default loop, {secs * 1e3:.0f} ms in all: {parts}"
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model")
@@ -67,6 +103,7 @@ def main() -> None:
             print(f"round {r} async_scheduling={flag}: {toks / secs:8.1f} tok/s  loadavg {os.getloadavg()[0]:.2f}")
     for flag, (secs, toks) in totals.items():
         print(f"async_scheduling={flag}: {toks / secs:8.1f} tok/s over {args.rounds} rounds")
+    print(breakdown(llms[False], prompts, params), f"loadavg {os.getloadavg()[0]:.2f}")
 
 
 if __name__ == "__main__":

@@ -110,6 +110,9 @@ class LLM(PoolingMixin):
         async_scheduling: True runs each step's core update (detokenization, stop checks) on a
             thread beside the caller's handling of the previous step's outputs; outputs are
             identical. The next step is still scheduled after the update (no placeholders).
+            None stays off (vLLM turns it on for generative models): it buys nothing
+            measurable on the CPU, where the model run is >99% of a step. Pooling models take
+            True too, as in vLLM.
         chat_template: the Jinja template (or a file holding it) `chat` uses by default.
     """
 
