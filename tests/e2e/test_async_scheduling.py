@@ -77,7 +77,7 @@ def test_preemption_and_prefix_caching_match_the_default_loop(tiny_llama):
 def test_a_failing_step_reaches_the_caller_and_the_engine_goes_on(tiny_llama, monkeypatch):
     path, hf_model = tiny_llama
     prompts = [{"prompt_token_ids": p} for p in prompts_for(hf_model.config.vocab_size)[:3]]
-    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (3, 5, 9)]
     with LLM(model=str(path), max_model_len=64, async_scheduling=True) as llm:
         expected = _summary(llm.generate(prompts, params, use_tqdm=False))
         spy = spy_on(llm)
@@ -99,9 +99,18 @@ def test_a_failing_step_reaches_the_caller_and_the_engine_goes_on(tiny_llama, mo
         assert not llm.llm_engine.has_unfinished_requests()
         runner = llm.llm_engine.generation_runner
         real = runner.execute_model
-        monkeypatch.setattr(runner, "execute_model", lambda step: (_ for _ in ()).throw(ValueError("model broke")))
+        steps = {"n": 0}
+
+        def failing_model(step):
+            steps["n"] += 1
+            if steps["n"] == 6:  # just after the 5-token request finished: its held state is dropped
+                raise ValueError("model broke")
+            return real(step)
+
+        monkeypatch.setattr(runner, "execute_model", failing_model)
         with pytest.raises(ValueError, match="model broke"):
             llm.generate(prompts, params, use_tqdm=False)
+        assert not runner._held and not llm.llm_engine.has_unfinished_requests()
         monkeypatch.setattr(runner, "execute_model", real)
         assert _summary(llm.generate(prompts, params, use_tqdm=False)) == expected
         assert not runner.requests and not runner._held

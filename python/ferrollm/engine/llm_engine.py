@@ -304,7 +304,14 @@ class LLMEngine:
                     self.runner.hold(out.request_id)
         if not self.core.has_unfinished_requests():
             return previous
-        self._pending.start(self.core.update, self._execute_step())
+        try:
+            sampled = self._execute_step()
+        except BaseException:
+            # Everything was aborted and the error goes to the caller: drop the held states.
+            for out in previous:
+                self.runner.release(out.request_id)
+            raise
+        self._pending.start(self.core.update, sampled)
         return previous
 
     def _execute_step(self) -> Any:
