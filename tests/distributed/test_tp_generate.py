@@ -40,3 +40,11 @@ def test_one_kv_head_replicated_and_a_padded_vocabulary(tmp_path, tokenizer_dir)
 def test_heads_that_do_not_split_are_refused_before_any_process_starts(tiny_llama):
     with pytest.raises(ConfigError, match=r"`num_attention_heads` \(4\) must be divisible by `tensor_parallel_size` \(3\)"):
         LLM(str(tiny_llama[0]), tensor_parallel_size=3, max_model_len=128)
+
+
+def test_two_ranks_with_async_scheduling_generate_what_one_does(tiny_llama):
+    path, _ = tiny_llama
+    with LLM(str(path), tensor_parallel_size=1, **ENGINE) as llm:
+        single = run(llm)
+    with LLM(str(path), tensor_parallel_size=2, async_scheduling=True, **ENGINE) as llm:
+        assert_same(run(llm), single)

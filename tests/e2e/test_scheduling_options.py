@@ -211,8 +211,6 @@ def test_bad_scheduling_options_are_refused_by_name(tiny_llama):
     path, _ = tiny_llama
     with pytest.raises(ValueError, match="scheduling_policy"):
         LLM(model=str(path), scheduling_policy="lifo")
-    with pytest.raises(NotImplementedError, match="async_scheduling"):
-        LLM(model=str(path), async_scheduling=True)
 
 
 @pytest.mark.parametrize("option", [{"enable_chunked_prefill": True}, {"long_prefill_token_threshold": 8},

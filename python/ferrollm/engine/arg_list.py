@@ -259,7 +259,8 @@ _TABLE: list[tuple[str, list[tuple[str, Any, tuple[str | None, str | None]]]]] =
         ("disable_hybrid_kv_cache_manager", None, _refused()),
         ("scheduling_policy", "fcfs", _works("the Rust scheduler: fcfs or priority")),
         ("scheduler_cls", None, _refused("the scheduler is ferrollm's Rust core")),
-        ("async_scheduling", None, _refused("not built yet: each step is scheduled after the previous model run")),
+        ("async_scheduling", None, _works("engine/async_outputs.py: each step's output processing overlaps the caller; "
+                                          "the next step is still scheduled after it")),
         ("stream_interval", 1, _refused()),
     ]),
     ("CompilationConfig", [

@@ -93,6 +93,7 @@ class EngineArgs(_VllmEngineArgs):  # type: ignore[valid-type,misc]
     enable_chunked_prefill: bool | None = None
     long_prefill_token_threshold: int = 0
     scheduling_policy: str = "fcfs"
+    async_scheduling: bool | None = None
     language_model_only: bool = False
     limit_mm_per_prompt: dict[str, int] | None = None
     mm_processor_kwargs: dict[str, Any] | None = None

@@ -24,6 +24,7 @@ from ferrollm.config.model_config import ModelConfig, build_model_config, text_c
 from ferrollm.config.model_source import resolve_model_source
 from ferrollm.config.vllm import VllmConfig, build_vllm_config
 from ferrollm.engine.arg_utils import EngineArgs
+from ferrollm.engine.async_outputs import AsyncOutputs
 from ferrollm.engine.startup_report import (
     KVCacheSummary,
     StartupClock,
@@ -79,6 +80,8 @@ class LLMEngine:
         self.num_gpu_blocks = int(core.stats()["num_free_blocks"])
         # Per-request timing and the throughput log, unless disabled (`LLM` disables them).
         self.stats = None if args.disable_log_stats else StatsTracker()
+        # `async_scheduling`: each step's core update runs beside the caller (async_outputs.py).
+        self._pending = AsyncOutputs() if args.async_scheduling else None
         if isinstance(runner, ModelRunner):
             runner.sampler.logprobs_mode = args.logprobs_mode
             if args.logits_processor_classes:
@@ -278,15 +281,41 @@ class LLMEngine:
             self.pooling_runner.add_request_params(rid, p)
 
     def has_unfinished_requests(self) -> bool:
-        return self.core.has_unfinished_requests()
+        # An update in flight may still hold final outputs the core no longer counts.
+        return (self._pending is not None and self._pending.busy()) or self.core.has_unfinished_requests()
 
     def step(self) -> list[EngineCoreOutput]:
         """One schedule -> execute -> update; returns the requests that finished.
+
+        With `async_scheduling`, the update runs on a thread while the caller handles what this
+        call returns: the outputs of the previous step's update (the same outputs, one call later).
 
         Raises:
             WorkerError: a tensor-parallel worker raised or died (its traceback included); the
                 engine is dead afterwards (`EngineDeadError` on later calls).
         """
+        if self._pending is None:
+            return self.core.update(self._execute_step())
+        previous = self._pending.collect()
+        if isinstance(self.runner, ModelRunner):
+            # The next step reuses finished requests' indices: keep their states for the caller.
+            for out in previous:
+                if out.finished:
+                    self.runner.hold(out.request_id)
+        if not self.core.has_unfinished_requests():
+            return previous
+        try:
+            sampled = self._execute_step()
+        except BaseException:
+            # Everything was aborted and the error goes to the caller: drop the held states.
+            for out in previous:
+                self.runner.release(out.request_id)
+            raise
+        self._pending.start(self.core.update, sampled)
+        return previous
+
+    def _execute_step(self) -> Any:
+        """Schedules a step and runs it; returns its sampled tokens."""
         if not isinstance(self.executor, MultiprocExecutor):
             step = self.core.schedule()
             try:
@@ -310,7 +339,7 @@ class LLMEngine:
                 executor._raise_failure(e)
         if self.stats is not None:
             self.stats.on_step(step, self.core)
-        return self.core.update(sampled)
+        return sampled
 
     def check_alive(self) -> None:
         """Raises `EngineDeadError` when a tensor-parallel rank failed earlier."""
@@ -329,15 +358,18 @@ class LLMEngine:
     def abort_all(self) -> None:
         """Aborts everything after a failed or interrupted step and clears the runner's state,
         so the next call starts clean."""
+        in_flight = self._pending.drain() if self._pending is not None else []
         self.core.abort_all_requests()
         step = self.core.schedule()
         self.runner.update_states(step)
-        for out in self.core.update(np.zeros(0, dtype=np.int64)):
+        for out in in_flight + self.core.update(np.zeros(0, dtype=np.int64)):
             self.runner.release(out.request_id)
         if self.stats is not None:
             self.stats.requests.clear()
 
     def close(self) -> None:
+        if self._pending is not None:
+            self._pending.close()
         if self.executor is not None:
             self.core.set_step_broadcaster(None)
             self.executor.shutdown()

@@ -107,7 +107,12 @@ class LLM(PoolingMixin):
             live (0: no cap).
         scheduling_policy: "fcfs" or "priority" (lowest `priority` value first, then arrival;
             the running request with the largest is preempted first).
-        async_scheduling: not built yet; True is refused.
+        async_scheduling: True runs each step's core update (detokenization, stop checks) on a
+            thread beside the caller's handling of the previous step's outputs; outputs are
+            identical. The next step is still scheduled after the update (no placeholders).
+            None stays off (vLLM turns it on for generative models): it buys nothing
+            measurable on the CPU, where the model run is >99% of a step. Pooling models take
+            True too, as in vLLM.
         chat_template: the Jinja template (or a file holding it) `chat` uses by default.
     """
 

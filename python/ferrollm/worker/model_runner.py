@@ -76,6 +76,8 @@ class ModelRunner:
         # Parameters of requests the core has not scheduled yet, by request id.
         self._incoming: dict[str, SamplingParams] = {}
         self._incoming_mm: dict[str, MultiModalInputs] = {}
+        # Finished requests' states awaiting `release` (see `hold`).
+        self._held: dict[str, CachedRequestState | None] = {}
         # Multimodal models take M-RoPE positions and image embeddings (worker/mm_state.py).
         self.is_multimodal = bool(getattr(model, "supports_multimodal", False))
 
@@ -107,9 +109,16 @@ class ModelRunner:
             if lps is not None:
                 lps.add(new.req_index, params, state.prompt_token_ids, state.output_token_ids)
 
+    def hold(self, request_id: str) -> None:
+        """Detaches a finished request's state from its index, which the next step may reuse,
+        until `release` hands it over (`async_scheduling` delivers outputs one step later)."""
+        self._held[request_id] = self.release(request_id)
+
     def release(self, request_id: str) -> CachedRequestState | None:
         """Hands over and forgets the state of a request whose final output the core just gave
         (its logprobs); None if it never reached the runner."""
+        if request_id in self._held:
+            return self._held.pop(request_id)
         self._incoming.pop(request_id, None)
         self._incoming_mm.pop(request_id, None)
         idx = self._index_of.pop(request_id, None)
