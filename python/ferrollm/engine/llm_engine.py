@@ -409,7 +409,17 @@ def _build_core(args: EngineArgs, mc: ModelConfig, window: int | None, num_block
         max_num_batched_tokens=batched, max_model_len=mc.max_model_len, sliding_window=window,
         enable_chunked_prefill=_chunked_prefill(args), long_prefill_token_threshold=args.long_prefill_token_threshold,
         scheduling_policy=args.scheduling_policy, max_num_encoder_input_tokens=max(batched, encoder_budget),
+        disable_chunked_mm_input=_bidirectional_mm(mc),
     )
+
+
+def _bidirectional_mm(mc: ModelConfig) -> bool:
+    """Whether the model attends both ways inside an image (Gemma 3): the scheduler must then
+    never split an image across steps (vLLM's `disable_chunked_mm_input`)."""
+    from ferrollm.model_executor.registry import ModelRegistry
+
+    archs = list(getattr(mc.hf_config, "architectures", None) or [])
+    return bool(getattr(ModelRegistry.resolve(archs), "bidirectional_mm_attention", False))
 
 
 def _build_pooling_core(args: EngineArgs, mc: ModelConfig, model, tokenizers: Tokenizers,

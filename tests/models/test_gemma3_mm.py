@@ -1,0 +1,80 @@
+"""Gemma 3 with images: a tiny random ``Gemma3ForConditionalGeneration`` through `LLM.generate`
+matches transformers' greedy tokens and log-probabilities (one image, two images, batched with
+a text request, prefix caching on, a step budget that would split an image), which needs the
+bidirectional attention inside each image; the prompt is expanded as ``Gemma3Processor``
+expands it; `limit_mm_per_prompt={"image": 0}` skips the vision tower."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from ferrollm import LLM, SamplingParams
+from helpers.gemma3_checkpoints import build_gemma3_checkpoint, hf_greedy_gemma3
+from helpers.vl_checkpoints import random_image
+
+torch.set_num_threads(2)
+
+MAX_TOKENS = 5
+IMAGE = "<start_of_image>"
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
+
+
+@pytest.fixture(scope="module")
+def gemma3(tmp_path_factory, tokenizer_dir):
+    folder = tmp_path_factory.mktemp("gemma3_mm")
+    model, processor = build_gemma3_checkpoint(folder, tokenizer_dir)
+    return folder, model, processor
+
+
+def _check_against_transformers(llm: LLM, hf_model, processor, prompts: list[tuple[str, list]]) -> None:
+    requests = [{"prompt": p, "multi_modal_data": {"image": imgs}} if imgs else p for p, imgs in prompts]
+    outs = llm.generate(requests, GREEDY, use_tqdm=False)
+    for (prompt, images), out in zip(prompts, outs):
+        ids, want, logits = hf_greedy_gemma3(hf_model, processor, prompt, images, MAX_TOKENS)
+        assert list(out.prompt_token_ids) == ids, prompt
+        got = out.outputs[0]
+        assert list(got.token_ids) == want, prompt
+        ref = torch.log_softmax(logits.float(), -1)
+        for step, (token, lp) in enumerate(zip(want, got.logprobs)):
+            assert abs(lp[token].logprob - ref[step, token].item()) < 1e-4, (prompt, step)
+
+
+def test_images_match_transformers_batched_with_text(gemma3):
+    folder, hf_model, processor = gemma3
+    small, wide = random_image(0, 60, 90), random_image(1, 120, 200)
+    prompts = [
+        (f"describe{IMAGE} now", [small]),
+        (f"two{IMAGE} and{IMAGE} compared", [wide, small]),
+        ("plain text request without images", []),
+    ]
+    with LLM(str(folder), max_model_len=256, enable_prefix_caching=True) as llm:
+        _check_against_transformers(llm, hf_model, processor, prompts)
+        # Again: the prompts' blocks, images included, now come from the prefix cache.
+        _check_against_transformers(llm, hf_model, processor, prompts[:2])
+
+
+def test_a_small_step_budget_never_splits_an_image(gemma3):
+    folder, hf_model, processor = gemma3
+    # 20-token steps would cut the images' 16 soft tokens; the scheduler keeps each image whole.
+    prompts = [(f"look{IMAGE} here and{IMAGE} there", [random_image(2, 150, 200), random_image(3, 80, 80)]),
+               ("and a text request beside it", [])]
+    with LLM(str(folder), max_model_len=256, max_num_batched_tokens=20, max_num_seqs=2,
+             enable_prefix_caching=True) as llm:
+        _check_against_transformers(llm, hf_model, processor, prompts)
+
+
+def test_limit_zero_skips_the_vision_tower(gemma3, caplog):
+    folder, hf_model, processor = gemma3
+    with caplog.at_level(logging.INFO, logger="ferrollm"):
+        llm = LLM(str(folder), max_model_len=256, limit_mm_per_prompt={"image": 0})
+    with llm:
+        model = llm.llm_engine.generation_runner.model
+        assert model.vision_tower is None and model.multi_modal_projector is None
+        assert not any(name.startswith(("vision", "multi_modal")) for name, _ in model.named_parameters())
+        assert "skipped the" in caplog.text and "vision tower and projector tensors" in caplog.text
+        _check_against_transformers(llm, hf_model, processor, [("a text only prompt", [])])
+        with pytest.raises(ValueError, match=r"At most 0 image.*Given: 1"):
+            llm.generate({"prompt": f"x{IMAGE}", "multi_modal_data": {"image": random_image(4, 30, 30)}},
+                         GREEDY, use_tqdm=False)
