@@ -56,10 +56,10 @@ def build_gemma3_checkpoint(folder: Path, tokenizer_dir: Path, seed: int = 0):
     return model, processor
 
 
-def hf_greedy_gemma3(model, processor, prompt: str, images: list, max_tokens: int):
+def hf_greedy_gemma3(model, processor, prompt: str, images: list, max_tokens: int, **processor_kwargs):
     """transformers' input ids, greedy tokens and per-step logits for ``prompt`` (one
     ``<start_of_image>`` per image), processed by ``Gemma3Processor``."""
-    inputs = processor(text=prompt, images=images or None, return_tensors="pt")
+    inputs = processor(text=prompt, images=images or None, return_tensors="pt", **processor_kwargs)
     kwargs = {k: inputs[k] for k in ("pixel_values", "token_type_ids") if k in inputs}
     with torch.no_grad():
         out = model.generate(inputs["input_ids"], attention_mask=inputs["attention_mask"], max_new_tokens=max_tokens,

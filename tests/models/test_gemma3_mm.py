@@ -28,11 +28,12 @@ def gemma3(tmp_path_factory, tokenizer_dir):
     return folder, model, processor
 
 
-def _check_against_transformers(llm: LLM, hf_model, processor, prompts: list[tuple[str, list]]) -> None:
+def _check_against_transformers(llm: LLM, hf_model, processor, prompts: list[tuple[str, list]],
+                                **processor_kwargs) -> None:
     requests = [{"prompt": p, "multi_modal_data": {"image": imgs}} if imgs else p for p, imgs in prompts]
     outs = llm.generate(requests, GREEDY, use_tqdm=False)
     for (prompt, images), out in zip(prompts, outs):
-        ids, want, logits = hf_greedy_gemma3(hf_model, processor, prompt, images, MAX_TOKENS)
+        ids, want, logits = hf_greedy_gemma3(hf_model, processor, prompt, images, MAX_TOKENS, **processor_kwargs)
         assert list(out.prompt_token_ids) == ids, prompt
         got = out.outputs[0]
         assert list(got.token_ids) == want, prompt
@@ -63,6 +64,15 @@ def test_a_small_step_budget_never_splits_an_image(gemma3):
     with LLM(str(folder), max_model_len=256, max_num_batched_tokens=20, max_num_seqs=2,
              enable_prefix_caching=True) as llm:
         _check_against_transformers(llm, hf_model, processor, prompts)
+
+
+def test_pan_and_scan_crops_match_transformers(gemma3):
+    folder, hf_model, processor = gemma3
+    # A 60x150 image with 32-pixel minimum crops: the original and 3 crops, 4 soft-token runs.
+    options = {"do_pan_and_scan": True, "pan_and_scan_min_crop_size": 32}
+    with LLM(str(folder), max_model_len=256, mm_processor_kwargs=options) as llm:
+        _check_against_transformers(llm, hf_model, processor, [(f"wide{IMAGE} view", [random_image(5, 60, 150)])],
+                                    **options)
 
 
 def test_limit_zero_skips_the_vision_tower(gemma3, caplog):

@@ -57,7 +57,7 @@ class Gemma3MultiModalProcessor(MultiModalProcessor):
         hit = self.cache.get(identifier)
         if hit is not None:
             return identifier, hit[0]
-        out = self.image_processor(images=[image], return_tensors="pt", **kwargs)
+        out = self.image_processor(images=[image], return_tensors="pt", **{**_processor_defaults(), **kwargs})
         pixel_values = out["pixel_values"]
         self.cache.put(identifier, pixel_values, (int(pixel_values.shape[0]), 1, 1))
         return identifier, pixel_values
@@ -92,6 +92,14 @@ class Gemma3MultiModalProcessor(MultiModalProcessor):
         if num_crops == 0:
             return self.full_image
         return _CROPS_INTRO.format(self.full_image) + " ".join([self.full_image] * num_crops)
+
+
+def _processor_defaults() -> dict[str, Any]:
+    """The image options ``Gemma3Processor`` passes by default (pan-and-scan's crop sizes: the
+    image processor alone leaves them unset)."""
+    from transformers import Gemma3Processor
+
+    return dict(getattr(Gemma3Processor, "images_kwargs", {}))
 
 
 def _tokenizer(folder: Path):
