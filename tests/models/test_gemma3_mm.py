@@ -75,10 +75,18 @@ def test_pan_and_scan_crops_match_transformers(gemma3):
                                     **options)
 
 
-def test_limit_zero_skips_the_vision_tower(gemma3, caplog):
+def test_a_step_budget_smaller_than_an_image_is_refused(gemma3):
+    folder, _, _ = gemma3
+    with pytest.raises(ValueError, match=r"`max_num_batched_tokens` must be >= 16 .*Given: 12"):
+        LLM(str(folder), max_model_len=256, max_num_batched_tokens=12)
+
+
+@pytest.mark.parametrize("text_only", [{"limit_mm_per_prompt": {"image": 0}}, {"language_model_only": True}],
+                         ids=["limit_0", "language_model_only"])
+def test_text_only_skips_the_vision_tower(gemma3, caplog, text_only):
     folder, hf_model, processor = gemma3
     with caplog.at_level(logging.INFO, logger="ferrollm"):
-        llm = LLM(str(folder), max_model_len=256, limit_mm_per_prompt={"image": 0})
+        llm = LLM(str(folder), max_model_len=256, **text_only)
     with llm:
         model = llm.llm_engine.generation_runner.model
         assert model.vision_tower is None and model.multi_modal_projector is None
