@@ -75,6 +75,31 @@ def test_pan_and_scan_crops_match_transformers(gemma3):
                                     **options)
 
 
+def _hub_name(name: str) -> str:
+    return name.replace("vision_tower.", "vision_tower.vision_model.", 1)
+
+
+def _transformers5_name(name: str) -> str:
+    name = name.replace("language_model.model.", "language_model.", 1)
+    return name if name.startswith("lm_head.") else f"model.{name}"
+
+
+@pytest.mark.parametrize("rename", [_hub_name, _transformers5_name], ids=["hub", "transformers5"])
+def test_checkpoint_name_layouts_load(gemma3, tmp_path, rename):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    folder, hf_model, processor = gemma3
+    for f in folder.iterdir():
+        if f.name != "model.safetensors":
+            shutil.copy(f, tmp_path / f.name)
+    tensors = load_file(folder / "model.safetensors")
+    save_file({rename(k): v for k, v in tensors.items()}, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with LLM(str(tmp_path), max_model_len=256) as llm:
+        _check_against_transformers(llm, hf_model, processor, [(f"see{IMAGE} it", [random_image(6, 40, 40)])])
+
+
 def test_a_step_budget_smaller_than_an_image_is_refused(gemma3):
     folder, _, _ = gemma3
     with pytest.raises(ValueError, match=r"`max_num_batched_tokens` must be >= 16 .*Given: 12"):
