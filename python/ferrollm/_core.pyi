@@ -231,6 +231,7 @@ class EngineCore:
         stream_outputs: bool = False,
         sliding_window: int | None = None,
         max_num_encoder_input_tokens: int | None = None,
+        disable_chunked_mm_input: bool = False,
     ) -> EngineCore: ...
     def add_requests(
         self,

@@ -51,6 +51,9 @@ class AttentionMetadata:
         max_query_len: longest query of the step (1 for a decode-only step).
         max_seq_len: longest context of the step.
         block_size: tokens per KV block.
+        image_spans: ``(request row, start, end)`` context positions of the images this step
+            schedules, for models that attend bidirectionally inside an image (Gemma 3); None
+            for the others (see ``attention/image_spans.py``).
     """
 
     slot_mapping: torch.Tensor
@@ -63,6 +66,7 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     block_size: int
+    image_spans: list[tuple[int, int, int]] | None = None
 
     @property
     def is_decode_only(self) -> bool:

@@ -71,6 +71,11 @@ class Attention(nn.Module):
             query.view(num_tokens, self.num_heads, self.head_size), kv_cache, attn_metadata,
             self.scale, self.sliding_window, self.logits_soft_cap, *scales,
         )
+        if attn_metadata.image_spans:
+            from ferrollm.attention.image_spans import attend_image_spans
+
+            attend_image_spans(out, query.view(num_tokens, self.num_heads, self.head_size), kv_cache, attn_metadata,
+                               self.scale, self.sliding_window, self.logits_soft_cap, *scales)
         return out.view(num_tokens, self.num_heads * self.head_size)
 
     def _compiled_forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:

@@ -63,7 +63,7 @@ GROUP_REASONS: dict[str, str] = {
                       "expert or context parallelism, no multi-node and no Ray",
     "CacheConfig": "not supported by ferrollm's paged KV cache",
     "OffloadConfig": "weight offloading to CPU memory is not supported",
-    "MultiModalConfig": "not supported by ferrollm's multimodal path (images for Qwen2-VL and Qwen2.5-VL)",
+    "MultiModalConfig": "not supported by ferrollm's multimodal path (images for Qwen2-VL, Qwen2.5-VL and Gemma 3)",
     "LoRAConfig": "LoRA adapters are not supported",
     "LoggingConfig": "ferrollm logs through the standard `logging` module (logger 'ferrollm'); "
                      "configure it there",
@@ -252,7 +252,7 @@ _TABLE: list[tuple[str, list[tuple[str, Any, tuple[str | None, str | None]]]]] =
         ("max_num_queued_reqs", None, _refused()),
         ("max_num_queued_tokens", None, _refused()),
         ("enable_chunked_prefill", None, _works("the Rust scheduler")),
-        ("disable_chunked_mm_input", False, _refused("chunked prefill may split an image's placeholders (its encoder output is kept until all are computed)")),
+        ("disable_chunked_mm_input", False, _refused("set by the model: on for Gemma 3 (it attends both ways inside an image), else chunked prefill may split an image's placeholders (its encoder output is kept until all are computed)")),
         ("scheduler_reserve_full_isl", True, _refused()),
         ("prefill_schedule_interval", 1, _refused()),
         ("watermark", 0.0, _refused()),

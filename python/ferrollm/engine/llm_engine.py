@@ -154,6 +154,7 @@ class LLMEngine:
         """A generative engine: every rank loads its shard and states how many KV blocks it can
         hold; the core gets the smallest number, and every rank allocates that many."""
         batched = _batched_tokens(args, mc.max_model_len)
+        _check_whole_mm_items(args, mc, batched, tokens_per_mm_item)
         # The decode sizes every GPU rank captures as CUDA graphs (vLLM's defaults capped by
         # max_num_seqs); none with enforce_eager or on the CPU.
         compilation = CompilationConfig.from_value(args.compilation_config)
@@ -441,7 +442,30 @@ def _build_core(args: EngineArgs, mc: ModelConfig, window: int | None, num_block
         max_num_batched_tokens=batched, max_model_len=mc.max_model_len, sliding_window=window,
         enable_chunked_prefill=_chunked_prefill(args), long_prefill_token_threshold=args.long_prefill_token_threshold,
         scheduling_policy=args.scheduling_policy, max_num_encoder_input_tokens=max(batched, encoder_budget),
+        disable_chunked_mm_input=_bidirectional_mm(mc),
     )
+
+
+def _check_whole_mm_items(args: EngineArgs, mc: ModelConfig, batched: int, tokens_per_item: int) -> None:
+    """A model whose steps take each image whole needs a step (and a request's share of one)
+    that holds an image's tokens, or an image prompt could never be scheduled."""
+    if not tokens_per_item or not _bidirectional_mm(mc):
+        return
+    for name, value in (("max_num_batched_tokens", batched),
+                        ("long_prefill_token_threshold", args.long_prefill_token_threshold or tokens_per_item)):
+        if value < tokens_per_item:
+            raise ConfigError(f"`{name}` must be >= {tokens_per_item} (the tokens of one image, which "
+                              f"{mc.architecture} schedules in one step), or pass limit_mm_per_prompt="
+                              f"{{'image': 0}} for text only. Given: {value}")
+
+
+def _bidirectional_mm(mc: ModelConfig) -> bool:
+    """Whether the model attends both ways inside an image (Gemma 3): the scheduler must then
+    never split an image across steps (vLLM's `disable_chunked_mm_input`)."""
+    from ferrollm.model_executor.registry import ModelRegistry
+
+    archs = list(getattr(mc.hf_config, "architectures", None) or [])
+    return bool(getattr(ModelRegistry.resolve(archs), "bidirectional_mm_attention", False))
 
 
 def _build_pooling_core(args: EngineArgs, mc: ModelConfig, model, tokenizers: Tokenizers,

@@ -67,7 +67,7 @@ class MultiModalProcessor:
         backend = {"backend": "pil"} if int(transformers.__version__.split(".")[0]) >= 5 else {}
         self.image_processor = AutoImageProcessor.from_pretrained(str(folder), **backend)
         self.image_token_id = int(hf_config.image_token_id)
-        self.merge = int(hf_config.vision_config.spatial_merge_size)
+        self.merge = int(getattr(hf_config.vision_config, "spatial_merge_size", 1))
         self.limits = limits
         self.cache = cache
         annotations = getattr(getattr(self.image_processor, "valid_kwargs", None), "__annotations__", {})

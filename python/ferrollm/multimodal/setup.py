@@ -53,4 +53,7 @@ def build_mm_processor(args: Any, model_config) -> MultiModalProcessor | None:
                           f"Given: {args.tensor_parallel_size}")
     folder = model_config.source.folder
     cache = MultiModalInputCache(cache_capacity_bytes(args.mm_processor_cache_gb))
-    return MultiModalProcessor(folder, model_config.hf_config, limits, args.mm_processor_kwargs, cache)
+    cls = MultiModalProcessor
+    if getattr(model_config.hf_config, "model_type", None) == "gemma3":
+        from ferrollm.multimodal.gemma3_processor import Gemma3MultiModalProcessor as cls
+    return cls(folder, model_config.hf_config, limits, args.mm_processor_kwargs, cache)

@@ -27,6 +27,12 @@ def encoder_worst_case(encoder_budget: int, tokens_per_item: int, merge: int) ->
 def run_encoder_worst_case(model, encoder_budget: int, tokens_per_item: int, device: torch.device) -> str:
     """Encodes the worst step with blank pixels; returns what ran, for the log ('' when the
     model has no vision tower)."""
+    if hasattr(model, "dummy_images"):  # fixed-size images (Gemma 3)
+        if encoder_budget <= 0 or tokens_per_item <= 0 or getattr(model, "vision_tower", None) is None:
+            return ""
+        pixels, grids = model.dummy_images(max(1, encoder_budget // tokens_per_item), device)
+        model.encode_images(pixels, grids)
+        return f"{len(grids)} image(s) of {pixels.shape[-2]}x{pixels.shape[-1]} pixels"
     visual = getattr(model, "visual", None)
     if visual is None:
         return ""

@@ -20,7 +20,7 @@ import torch
 
 from ferrollm.multimodal.inputs import MultiModalInputs
 
-__all__ = ["RequestMultiModal", "prepare_multimodal_step"]
+__all__ = ["RequestMultiModal", "image_spans", "prepare_multimodal_step"]
 
 
 @dataclass
@@ -83,6 +83,20 @@ def prepare_multimodal_step(model, step, mm_states: list[RequestMultiModal | Non
                 wanted.append((row, k, lo + first - start, first - item.offset))
     embeds = _gather_embeds(model, mm_states, wanted, computed, scheduled, device)
     return torch.from_numpy(np.ascontiguousarray(positions)).to(device), embeds
+
+
+def image_spans(step, mm_states: list[RequestMultiModal | None]) -> list[tuple[int, int, int]]:
+    """``(request row, start, end)`` context positions of every image whose placeholders the
+    step schedules, for models that attend bidirectionally inside an image."""
+    spans = []
+    computed, scheduled = step.num_computed_tokens, step.num_scheduled_tokens
+    for row, state in enumerate(mm_states):
+        if state is None:
+            continue
+        start, end = int(computed[row]), int(computed[row]) + int(scheduled[row])
+        spans.extend((row, it.offset, it.offset + it.length) for it in state.inputs.items
+                     if it.offset < end and it.offset + it.length > start)
+    return spans
 
 
 def _gather_embeds(model, mm_states, wanted, computed, scheduled, device):

@@ -25,7 +25,7 @@ from ferrollm.multimodal.inputs import MultiModalInputs
 from ferrollm.sampling_params import SamplingParams
 from ferrollm.worker.cpu_allocator import keep_freed_memory
 from ferrollm.worker.cuda_graph import CudaGraphRunner
-from ferrollm.worker.mm_state import RequestMultiModal, prepare_multimodal_step
+from ferrollm.worker.mm_state import RequestMultiModal, image_spans, prepare_multimodal_step
 from ferrollm.worker.request_state import CachedRequestState
 
 
@@ -138,6 +138,8 @@ class ModelRunner:
         states = [self.requests[i] for i in step.req_indices.tolist()]
         if self.is_multimodal:
             positions, mm_embeds = prepare_multimodal_step(self.model, step, [s.mm for s in states], self.device)
+            if mm_embeds is not None and getattr(self.model, "bidirectional_mm_attention", False):
+                meta.image_spans = image_spans(step, [s.mm for s in states])
             hidden = self.forward(input_ids, positions, self.kv_caches, meta, mm_embeds=mm_embeds)
         else:
             positions = torch.from_numpy(step.positions).to(self.device)

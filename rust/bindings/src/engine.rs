@@ -46,7 +46,8 @@ impl PyEngineCore {
         *, tokenizer=None, block_size=16, num_blocks=1024, enable_prefix_caching=true,
         max_num_seqs=256, max_num_batched_tokens=8192, max_model_len=4096,
         enable_chunked_prefill=true, long_prefill_token_threshold=0, scheduling_policy="fcfs",
-        stream_outputs=false, sliding_window=None, max_num_encoder_input_tokens=None
+        stream_outputs=false, sliding_window=None, max_num_encoder_input_tokens=None,
+        disable_chunked_mm_input=false
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -64,6 +65,7 @@ impl PyEngineCore {
         stream_outputs: bool,
         sliding_window: Option<usize>,
         max_num_encoder_input_tokens: Option<usize>,
+        disable_chunked_mm_input: bool,
     ) -> PyResult<Self> {
         let cfg = EngineConfig {
             cache: CacheConfig { block_size, num_blocks, enable_prefix_caching, sliding_window },
@@ -76,6 +78,7 @@ impl PyEngineCore {
                 policy: scheduling_policy.parse().map_err(crate::errors::PyCoreError)?,
                 // vLLM's default: as many placeholder tokens as the step has tokens.
                 max_num_encoder_input_tokens: max_num_encoder_input_tokens.unwrap_or(max_num_batched_tokens),
+                disable_chunked_mm_input,
             },
             stream_outputs,
         };

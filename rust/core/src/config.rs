@@ -65,6 +65,9 @@ pub struct SchedulerConfig {
     pub policy: SchedulingPolicy,
     /// Multimodal placeholder tokens whose items may be encoded in one step.
     pub max_num_encoder_input_tokens: usize,
+    /// vLLM's `disable_chunked_mm_input`: a chunk never splits a multimodal item (models that
+    /// attend bidirectionally inside an image, e.g. Gemma 3, need its tokens in one step).
+    pub disable_chunked_mm_input: bool,
 }
 
 impl Default for SchedulerConfig {
@@ -77,6 +80,7 @@ impl Default for SchedulerConfig {
             long_prefill_token_threshold: 0,
             policy: SchedulingPolicy::Fcfs,
             max_num_encoder_input_tokens: 8192,
+            disable_chunked_mm_input: false,
         }
     }
 }

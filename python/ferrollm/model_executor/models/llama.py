@@ -172,11 +172,14 @@ class LlamaModel(nn.Module):
         self.norm = norm
 
     def forward(self, input_ids, positions, kv_caches, attn_metadata, inputs_embeds=None):
-        # Multimodal models pass the embeddings with their images' rows already merged in.
-        hidden_states = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        # Multimodal models pass the embeddings already scaled, with their images' rows merged in
+        # (Gemma 3 scales the text rows only).
+        hidden_states = inputs_embeds
+        if hidden_states is None:
+            hidden_states = self.embed_tokens(input_ids)
+            if self.embed_scale is not None:
+                hidden_states = hidden_states * self.embed_scale
         residual = None
-        if self.embed_scale is not None:
-            hidden_states = hidden_states * self.embed_scale
         for layer, kv_cache in zip(self.layers, kv_caches):
             hidden_states, residual = layer(positions, hidden_states, residual, kv_cache, attn_metadata)
         hidden_states, _ = self.norm(hidden_states, residual)

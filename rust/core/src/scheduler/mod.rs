@@ -118,6 +118,12 @@ impl Scheduler {
             let bound = format!("<= max_num_encoder_input_tokens ({budget}) placeholder tokens per step");
             return Err(CoreError::invalid("mm_features", bound, format!("{need} tokens")));
         }
+        // An item taken whole must fit in one step.
+        let step = self.cfg.max_num_batched_tokens;
+        if self.cfg.disable_chunked_mm_input && largest > step {
+            let bound = format!("<= max_num_batched_tokens ({step}) placeholder tokens per item");
+            return Err(CoreError::invalid("mm_features", bound, format!("{largest} tokens")));
+        }
         Ok(())
     }
 

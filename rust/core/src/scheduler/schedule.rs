@@ -79,7 +79,8 @@ impl Scheduler {
             let req = self.req(idx);
             let start = req.num_computed_tokens;
             let wanted = (req.num_tokens() - start).min(cap).min(budget.tokens);
-            let (num_new_tokens, encoder_cost) = fit_encoder_budget(req, start, wanted, budget.encoder);
+            let (num_new_tokens, encoder_cost) =
+                fit_encoder_budget(req, start, wanted, budget.encoder, self.cfg.disable_chunked_mm_input);
             if num_new_tokens == 0 {
                 i += 1;
                 continue;
@@ -141,8 +142,13 @@ impl Scheduler {
                 break;
             }
             let wanted = remaining.min(budget.tokens);
-            let (num_new_tokens, encoder_cost) =
-                fit_encoder_budget(req, num_computed, wanted, budget.encoder);
+            let (num_new_tokens, encoder_cost) = fit_encoder_budget(
+                req,
+                num_computed,
+                wanted,
+                budget.encoder,
+                self.cfg.disable_chunked_mm_input,
+            );
             // Admission stays in queue order: a request whose items do not fit waits for a step.
             if num_new_tokens == 0 || (!self.cfg.enable_chunked_prefill && num_new_tokens < wanted) {
                 break;
