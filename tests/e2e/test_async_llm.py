@@ -5,9 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-
 from ferrollm import LLM, AsyncLLM, EngineArgs, RequestOutputKind, SamplingParams
-from ferrollm.exceptions import InvalidRequestError
 
 PROMPTS = [[5, 9, 17, 3], [40, 41, 42, 43, 44, 45], [7, 8]]
 

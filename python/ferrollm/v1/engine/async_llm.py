@@ -31,7 +31,7 @@ from ferrollm.outputs import RequestOutput
 from ferrollm.sampling_params import SamplingParams
 from ferrollm.v1.engine.request_stream import ABORTED, RequestStream
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("ferrollm")
 
 
 class AsyncLLM:
@@ -216,6 +216,7 @@ class AsyncLLM:
                 continue
             seq_ids = [sid for sid, (_, parent) in self._seq_parent.items() if parent == rid]
             self.engine.core.abort_requests(seq_ids)
+            logger.info("aborted request %s", rid)
             for sid in seq_ids:
                 del self._seq_parent[sid]
                 # Drops parameters of a request never scheduled; a scheduled one's state goes
