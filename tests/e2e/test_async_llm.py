@@ -105,3 +105,17 @@ def test_bad_request_fails_its_generator_only(engine):
     bad, good = asyncio.run(main())
     assert isinstance(bad, ValueError) and "logprobs" in str(bad)
     assert good[-1].finished
+
+
+def test_readme_async_example_runs(tiny_llama, capsys):
+    import re
+    import textwrap
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    block = next(b for b in re.findall(r"```python\n(.*?)```", readme, flags=re.S) if "AsyncLLM.from_engine_args" in b)
+    code = block.replace('"path/to/checkpoint"', repr(str(tiny_llama[0])))
+    wrapped = ("import asyncio\nfrom ferrollm import AsyncLLM, EngineArgs, SamplingParams\n"
+               "async def main():\n" + textwrap.indent(code, "    ") + "asyncio.run(main())\n")
+    exec(compile(wrapped, "README.md", "exec"), {})
+    assert capsys.readouterr().out  # one cumulative text per token

@@ -182,7 +182,10 @@ class AsyncLLM:
                     return
                 commands, self._commands = self._commands, []
             for command in commands:
-                command()
+                try:
+                    command()
+                except Exception:  # a bug in one command must not stop every request's steps
+                    logger.exception("an AsyncLLM command failed")
             if not engine.has_unfinished_requests():
                 continue
             try:
