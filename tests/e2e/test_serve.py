@@ -187,3 +187,17 @@ def test_tokenize_detokenize(server):
     assert status == 200 and body["count"] == len(body["tokens"]) and body["max_model_len"] == 128
     status, back = _post(server + "/detokenize", {"tokens": body["tokens"]})
     assert status == 200 and "Hello world" in back["prompt"]
+
+
+def test_metrics_count_requests_and_return_to_idle(server, client):
+    client.completions.create(model="tiny", prompt=PROMPTS[0], **GREEDY)
+    status, text = _get(server + "/metrics")
+    body = text.decode()
+    assert status == 200
+    for name in ("vllm:num_requests_running", "vllm:kv_cache_usage_perc", "vllm:prefix_cache_hits_total",
+                 "vllm:time_to_first_token_seconds_bucket", "vllm:inter_token_latency_seconds_count"):
+        assert name in body
+    values = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in body.splitlines()
+              if line.startswith("vllm:") and "{" in line}
+    assert values["vllm:num_requests_running"] == 0 and values["vllm:kv_cache_usage_perc"] == 0
+    assert values["vllm:generation_tokens_total"] >= 8

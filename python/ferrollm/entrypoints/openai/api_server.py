@@ -71,6 +71,13 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
     serving = OpenAIServing(engine, served_model_names[0], chat_template)
     created = int(time.time())
     _add_error_handlers(app)
+    metrics = None
+    try:
+        from ferrollm.entrypoints.openai.metrics import StatLogger
+
+        metrics = engine.stat_logger = StatLogger(engine.engine.core, served_model_names[0])
+    except ImportError:  # prometheus_client is optional: no /metrics without it
+        pass
 
     @app.middleware("http")
     async def check_api_key(request: Request, call_next):
@@ -93,6 +100,12 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
     @app.get("/health")
     async def health() -> Response:
         return Response(status_code=503 if engine.errored else 200)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        if metrics is None:
+            return _error("/metrics needs prometheus_client (pip install 'ferrollm[serve]')", "NotFoundError", 404)
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/version")
     async def version() -> dict[str, str]:

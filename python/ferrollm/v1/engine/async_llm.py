@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
@@ -51,6 +52,8 @@ class AsyncLLM:
         self._commands: list[Callable[[], None]] = []
         self._cv = threading.Condition()
         self._stopping = False
+        # Latency and token metrics (the server's `StatLogger`), fed from the step thread.
+        self.stat_logger: Any = None
         self._thread = threading.Thread(target=self._run, name="ferrollm-step-loop", daemon=True)
         self._thread.start()
 
@@ -245,10 +248,21 @@ class AsyncLLM:
             stream = self._streams[rid]
             stream.apply(k, out, state, self._decoder)
             touched[rid] = stream
+        now = time.perf_counter()
         for rid, stream in touched.items():
+            if self.stat_logger is not None:
+                self._record(stream, now)
             stream.emit()
             if stream.finished:
                 del self._streams[rid]
+
+    def _record(self, stream: RequestStream, now: float) -> None:
+        since_last = None if stream.last_token_time is None else now - stream.last_token_time
+        self.stat_logger.on_tokens(stream.num_step_tokens, now - stream.arrival_time, since_last,
+                                   len(stream.prompt_token_ids or []))
+        stream.last_token_time, stream.num_step_tokens = now, 0
+        if stream.finished:
+            self.stat_logger.on_finished([s.finish_reason for s in stream.seqs], now - stream.arrival_time)
 
     def _fail_all(self, error: BaseException) -> None:
         for stream in self._streams.values():

@@ -9,6 +9,7 @@ the new tokens' text and logprobs, nothing proportional to what was sent before.
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,6 +69,11 @@ class RequestStream:
         self.prompt_token_ids: list[int] | None = None
         self.prompt_logprobs: Any = None
         self.num_cached_tokens = 0
+        # For the server's latency metrics: when it arrived, when its last tokens came, and how
+        # many tokens this step brought.
+        self.arrival_time = time.perf_counter()
+        self.last_token_time: float | None = None
+        self.num_step_tokens = 0
 
     @property
     def finished(self) -> bool:
@@ -86,6 +92,7 @@ class RequestStream:
         seq.token_ids += new_ids
         seq.text += out.text
         seq.new_token_ids += new_ids
+        self.num_step_tokens += len(new_ids)
         seq.new_text += out.text
         if out.finished:
             seq.finish_reason, seq.stop_reason = out.finish_reason, out.stop_reason
