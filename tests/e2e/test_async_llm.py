@@ -6,6 +6,7 @@ import asyncio
 
 import pytest
 from ferrollm import LLM, AsyncLLM, EngineArgs, RequestOutputKind, SamplingParams
+from ferrollm.exceptions import InvalidRequestError
 
 PROMPTS = [[5, 9, 17, 3], [40, 41, 42, 43, 44, 45], [7, 8]]
 
@@ -119,3 +120,25 @@ def test_readme_async_example_runs(tiny_llama, capsys):
                "async def main():\n" + textwrap.indent(code, "    ") + "asyncio.run(main())\n")
     exec(compile(wrapped, "README.md", "exec"), {})
     assert capsys.readouterr().out  # one cumulative text per token
+
+
+def test_encode_embeds_like_llm_embed(tiny_bert):
+    prompts = [[1, 40, 41, 42], list(range(3, 60)), [1, 7]]
+    engine = AsyncLLM.from_engine_args(EngineArgs(model=str(tiny_bert[0]), max_num_seqs=2))
+    try:
+        async def main():
+            async def one(i, p):
+                return [o async for o in engine.encode({"prompt_token_ids": p}, None, f"e{i}")]
+
+            return await asyncio.gather(*[one(i, p) for i, p in enumerate(prompts)])
+
+        outs = asyncio.run(main())
+        with pytest.raises(InvalidRequestError, match="pooling model"):
+            asyncio.run(_collect(engine, prompts[0], greedy(1), "g"))
+    finally:
+        engine.shutdown()
+    with LLM(model=str(tiny_bert[0])) as llm:
+        want = llm.embed([{"prompt_token_ids": p} for p in prompts], use_tqdm=False)
+    for got, w in zip(outs, want):
+        assert len(got) == 1 and got[0].finished and got[0].prompt_token_ids == w.prompt_token_ids
+        assert got[0].outputs.data.tolist() == pytest.approx(w.outputs.embedding, abs=1e-6)

@@ -52,28 +52,32 @@ def server_log(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("serve") / "server.log"
 
 
-@pytest.fixture(scope="module")
-def server(tiny_llama, server_log):
+def _start(model: Path, log: Path, *flags: str):
+    """A server process for `model`, once /health answers 200; returns (process, base URL)."""
     port = _free_port()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2] / "python"),
                                                          os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "ferrollm.cli", "serve", str(tiny_llama[0]), "--host", "127.0.0.1", "--port", str(port),
-         "--served-model-name", "tiny", "--api-key", KEY, "--chat-template", TEMPLATE, "--max-model-len", "128",
-         "--uvicorn-log-level", "warning"], env=env, stderr=server_log.open("w"))
+        [sys.executable, "-m", "ferrollm.cli", "serve", str(model), "--host", "127.0.0.1", "--port", str(port),
+         "--uvicorn-log-level", "warning", *flags], env=env, stderr=log.open("w"))
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 90
     while time.time() < deadline:
         if proc.poll() is not None:
-            pytest.fail(f"the server exited with {proc.returncode}")
+            pytest.fail(f"the server exited with {proc.returncode}: {log.read_text()[-2000:]}")
         try:
             if _get(url + "/health")[0] == 200:
-                break
+                return proc, url
         except OSError:
             time.sleep(0.2)
-    else:
-        proc.kill()
-        pytest.fail("the server did not become healthy in 90 s")
+    proc.kill()
+    pytest.fail("the server did not become healthy in 90 s")
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama, server_log):
+    proc, url = _start(tiny_llama[0], server_log, "--served-model-name", "tiny", "--api-key", KEY,
+                       "--chat-template", TEMPLATE, "--max-model-len", "128")
     yield url
     proc.terminate()
     proc.wait(timeout=30)
@@ -201,3 +205,27 @@ def test_metrics_count_requests_and_return_to_idle(server, client):
               if line.startswith("vllm:") and "{" in line}
     assert values["vllm:num_requests_running"] == 0 and values["vllm:kv_cache_usage_perc"] == 0
     assert values["vllm:generation_tokens_total"] >= 8
+
+
+def test_embeddings_from_a_pooling_model(tiny_bert, tmp_path):
+    import numpy as np
+
+    from ferrollm import LLM
+
+    proc, url = _start(tiny_bert[0], tmp_path / "bert.log", "--served-model-name", "bert")
+    try:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        inputs = ["Hello world", "The end."]
+        as_b64 = client.embeddings.create(model="bert", input=inputs)  # the client asks for base64
+        as_float = client.embeddings.create(model="bert", input=inputs, encoding_format="float")
+        assert as_float.usage.prompt_tokens > 0
+        with pytest.raises(openai.BadRequestError):
+            client.completions.create(model="bert", prompt="x", max_tokens=1)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    with LLM(model=str(tiny_bert[0])) as llm:
+        want = [o.outputs.embedding for o in llm.embed(inputs, use_tqdm=False)]
+    for got_b64, got_float, w in zip(as_b64.data, as_float.data, want):
+        np.testing.assert_allclose(got_b64.embedding, w, atol=1e-5)
+        np.testing.assert_allclose(got_float.embedding, w, atol=1e-5)

@@ -22,6 +22,7 @@ from ferrollm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    EmbeddingRequest,
     TokenizeRequest,
     error_body,
 )
@@ -127,6 +128,10 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
     @app.post("/v1/chat/completions")
     async def chat(req: ChatCompletionRequest) -> Response:
         return check_model(req.model) or await respond(await serving.chat(req))
+
+    @app.post("/v1/embeddings")
+    async def embeddings(req: EmbeddingRequest) -> Response:
+        return check_model(req.model) or JSONResponse(await serving.embeddings(req))
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest) -> Response:

@@ -97,6 +97,20 @@ class ChatCompletionRequest(_Sampling):
     response_format: dict[str, Any] | None = None
 
 
+class EmbeddingRequest(BaseModel):
+    """`POST /v1/embeddings` (a pooling model)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    truncate_prompt_tokens: int | None = None
+    normalize: bool | None = None
+    user: str | None = None
+
+
 class TokenizeRequest(BaseModel):
     """`POST /tokenize`: a prompt, or messages rendered with the chat template."""
 

@@ -20,6 +20,7 @@ from ferrollm.entrypoints.openai.protocol import (
 )
 from ferrollm.exceptions import InvalidRequestError
 from ferrollm.outputs import CompletionOutput, RequestOutput
+from ferrollm.pooling_params import PoolingParams
 from ferrollm.v1.engine.async_llm import AsyncLLM
 
 
@@ -67,6 +68,28 @@ class OpenAIServing:
                        "choices": [_completion_choice(i * req.n + c.index, c, req.logprobs)]}
         if req.stream_options is not None and req.stream_options.include_usage:
             yield {**head, "object": "text_completion", "choices": [], "usage": usage.body()}
+
+    # -- embeddings ---------------------------------------------------------------------------
+
+    async def embeddings(self, req: EmbeddingRequest) -> dict[str, Any]:
+        """One vector per input, as floats or base64 of little-endian float32 (what the openai
+        client asks for by default)."""
+        import base64
+
+        params = PoolingParams(dimensions=req.dimensions, normalize=req.normalize)
+        rid = f"embd-{uuid.uuid4().hex}"
+        gens = [self.engine.encode(p, params, f"{rid}-{i}", truncate_prompt_tokens=req.truncate_prompt_tokens)
+                for i, p in enumerate(_completion_prompts(req.input))]
+        outs = await asyncio.gather(*[_last(g) for g in gens])
+        data = []
+        for i, out in enumerate(outs):
+            vec = out.outputs.data.float().numpy()
+            emb: Any = (base64.b64encode(vec.astype("<f4").tobytes()).decode() if req.encoding_format == "base64"
+                        else vec.tolist())
+            data.append({"object": "embedding", "embedding": emb, "index": i})
+        num = sum(len(o.prompt_token_ids) for o in outs)
+        return {"id": rid, "object": "list", "created": int(time.time()), "model": self.model_name, "data": data,
+                "usage": {"prompt_tokens": num, "total_tokens": num}}
 
     # -- chat ---------------------------------------------------------------------------------
 

@@ -28,9 +28,10 @@ from ferrollm.entrypoints.llm import _fan_out
 from ferrollm.entrypoints.output_builder import LogprobDecoder
 from ferrollm.entrypoints.prompts import multimodal_fields, normalize_prompts
 from ferrollm.exceptions import InvalidRequestError
-from ferrollm.outputs import RequestOutput
+from ferrollm.outputs import PoolingOutput, PoolingRequestOutput, RequestOutput
+from ferrollm.pooling_params import PoolingParams
 from ferrollm.sampling_params import SamplingParams
-from ferrollm.v1.engine.request_stream import ABORTED, RequestStream
+from ferrollm.v1.engine.request_stream import ABORTED, PoolingStream, RequestStream
 
 logger = logging.getLogger("ferrollm")
 
@@ -48,6 +49,7 @@ class AsyncLLM:
         self.model_config = engine.model_config
         self._decoder = LogprobDecoder(engine.tokenizers.core, lambda: engine.tokenizers.hf)
         self._streams: dict[str, RequestStream] = {}  # by request id; step thread only
+        self._pooling: dict[str, PoolingStream] = {}  # pooling requests, by request id
         self._seq_parent: dict[str, tuple[int, str]] = {}  # sequence id -> (index, request id)
         self._commands: list[Callable[[], None]] = []
         self._cv = threading.Condition()
@@ -59,16 +61,9 @@ class AsyncLLM:
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs, **_: Any) -> AsyncLLM:
-        """Loads the model and starts the step thread (vLLM's extra keywords are accepted)."""
-        if engine_args.runner == "pooling":
-            raise NotImplementedError("AsyncLLM serves generative models only: `encode` for pooling models "
-                                      "is not implemented yet (use LLM.embed/encode offline)")
-        engine = LLMEngine.from_args(engine_args, stream_outputs=True)
-        if engine.model_config.is_pooling:
-            engine.close()
-            raise NotImplementedError(f"AsyncLLM serves generative models only; {engine.model_config.architecture} "
-                                      "is a pooling model (use LLM.embed/encode offline)")
-        return cls(engine)
+        """Loads the model and starts the step thread (vLLM's extra keywords are accepted).
+        A pooling model (``runner="pooling"``) serves `encode` instead of `generate`."""
+        return cls(LLMEngine.from_args(engine_args, stream_outputs=True))
 
     # -- the caller's side (event loop) -------------------------------------------------------
 
@@ -110,6 +105,43 @@ class AsyncLLM:
             if not finished:
                 self.abort(request_id)
 
+    async def encode(self, prompt: Any, pooling_params: PoolingParams | None, request_id: str, *,
+                     pooling_task: str = "embed", truncate_prompt_tokens: int | None = None,
+                     **_: Any) -> AsyncGenerator[PoolingRequestOutput, None]:
+        """Pools one prompt's hidden states (a model built with ``runner="pooling"``).
+
+        Args:
+            prompt: As in `generate`.
+            pooling_params: ``normalize``, ``dimensions``, ...; None for the model's defaults.
+            request_id: Unique among running requests.
+            pooling_task: ``"embed"`` or ``"token_embed"`` (as `LLM.encode`).
+            truncate_prompt_tokens: Keep only the last ``k`` tokens (-1: ``max_model_len``).
+
+        Yields:
+            One finished `PoolingRequestOutput` (``outputs.data`` a float32 CPU tensor).
+        """
+        from ferrollm.entrypoints.pooling import _expand_params
+
+        if not self.engine.model_config.is_pooling:
+            raise InvalidRequestError("AsyncLLM.encode() needs a pooling model (runner='pooling'); this engine "
+                                      f"runs {self.engine.model_config.architecture} as a generative model")
+        items = normalize_prompts(prompt, self.engine.vocab_size)
+        if len(items) != 1:
+            raise InvalidRequestError(f"`prompt` must be one prompt. Given: {len(items)}")
+        params = _expand_params(pooling_params, 1, pooling_task, truncate_prompt_tokens, self.engine)
+        stream = PoolingStream(request_id, asyncio.get_running_loop())
+        self._send(lambda: self._add_pooling(stream, items, params))
+        item = ABORTED
+        try:
+            item = await stream.queue.get()
+        finally:
+            if item is ABORTED:
+                self.abort(request_id)
+        if isinstance(item, BaseException):
+            raise item
+        if item is not ABORTED:
+            yield item
+
     def abort(self, request_id: str | list[str]) -> None:
         """Aborts requests (unknown or finished ids are ignored); their KV blocks are freed before
         the next step and their generators end."""
@@ -150,12 +182,17 @@ class AsyncLLM:
             self._stopping = True
             self._cv.notify()
         self._thread.join()
-        for stream in self._streams.values():
+        for stream in [*self._streams.values(), *self._pooling.values()]:
             stream.put(ABORTED)
         self._streams.clear()
+        self._pooling.clear()
         self.engine.close()
 
     def _submit(self, prompt: Any, params: SamplingParams | None, request_id: str, priority: int) -> RequestStream:
+        if self.engine.model_config.is_pooling:
+            from ferrollm.entrypoints.llm import _not_generative
+
+            raise InvalidRequestError(_not_generative(self.engine))
         if any(mm != (None, None) for mm in multimodal_fields(prompt)):
             raise NotImplementedError("AsyncLLM does not take multi_modal_data yet (LLM.generate does)")
         items = normalize_prompts(prompt, self.engine.vocab_size)
@@ -215,8 +252,28 @@ class AsyncLLM:
         for k, sid in enumerate(seq_ids):
             self._seq_parent[sid] = (k, rid)
 
+    def _add_pooling(self, stream: PoolingStream, items: list, params: list[PoolingParams]) -> None:
+        from ferrollm.entrypoints.pooling import _tokenize
+
+        rid = stream.request_id
+        if rid in self._pooling:
+            stream.put(InvalidRequestError(f"`request_id` must be unique among running requests. Given: {rid!r}"))
+            return
+        try:
+            stream.prompt_token_ids = _tokenize(self.engine, items, params)[0]
+            self.engine.add_pooling_requests([rid], [stream.prompt_token_ids], params)
+        except Exception as e:
+            stream.put(e)
+            return
+        self._pooling[rid] = stream
+
     def _abort(self, request_ids: list[str]) -> None:
         for rid in request_ids:
+            pooled = self._pooling.pop(rid, None)
+            if pooled is not None:
+                self.engine.core.abort_requests([rid])
+                self.engine.pooling_runner.release(rid)
+                pooled.put(ABORTED)
             stream = self._streams.pop(rid, None)
             if stream is None:
                 continue
@@ -231,6 +288,9 @@ class AsyncLLM:
             stream.put(ABORTED)
 
     def _dispatch(self, outputs: list[Any]) -> None:
+        if self.engine.model_config.is_pooling:
+            self._dispatch_pooled(outputs)
+            return
         runner = self.engine.generation_runner
         touched: dict[str, RequestStream] = {}
         for out in outputs:
@@ -256,6 +316,14 @@ class AsyncLLM:
             if stream.finished:
                 del self._streams[rid]
 
+    def _dispatch_pooled(self, outputs: list[Any]) -> None:
+        for out in outputs:
+            pooled = self.engine.pooling_runner.release(out.request_id)
+            stream = self._pooling.pop(out.request_id, None)
+            if stream is not None and pooled is not None:
+                stream.put(PoolingRequestOutput(stream.request_id, PoolingOutput(pooled), stream.prompt_token_ids,
+                                                0, True))
+
     def _record(self, stream: RequestStream, now: float) -> None:
         since_last = None if stream.last_token_time is None else now - stream.last_token_time
         self.stat_logger.on_tokens(stream.num_step_tokens, now - stream.arrival_time, since_last,
@@ -265,7 +333,8 @@ class AsyncLLM:
             self.stat_logger.on_finished([s.finish_reason for s in stream.seqs], now - stream.arrival_time)
 
     def _fail_all(self, error: BaseException) -> None:
-        for stream in self._streams.values():
+        for stream in [*self._streams.values(), *self._pooling.values()]:
             stream.put(error)
         self._streams.clear()
+        self._pooling.clear()
         self._seq_parent.clear()

@@ -134,3 +134,20 @@ class RequestStream:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
         except RuntimeError:  # the consumer's loop is closed: nobody is listening
             pass
+
+
+class PoolingStream:
+    """A request submitted to `AsyncLLM.encode`: one result, delivered when its step ends.
+
+    Args:
+        request_id: The caller's id.
+        loop: The event loop of the coroutine that consumes `queue`.
+    """
+
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop):
+        self.request_id = request_id
+        self.loop = loop
+        self.queue: asyncio.Queue[Any] = asyncio.Queue()
+        self.prompt_token_ids: list[int] = []
+
+    put = RequestStream.put
