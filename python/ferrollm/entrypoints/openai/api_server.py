@@ -10,6 +10,7 @@ unknown model name is 404; a wrong or missing key under `--api-key` is 401; anyt
 from __future__ import annotations
 
 import argparse
+import asyncio
 import re
 import time
 from typing import Any
@@ -38,6 +39,26 @@ def _param_of(message: str) -> str | None:
     """Our messages open with the parameter's name in backticks ("`n` must be ...")."""
     m = re.match(r"`([^`]+)`", message)
     return m.group(1) if m else None
+
+
+async def _until_disconnect(request: Request) -> None:
+    """Returns when the client goes away (the body has been read, so only the disconnect comes)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def cancel_on_disconnect(request: Request, work: Any) -> Any:
+    """Runs `work` (a coroutine) unless the client leaves first; then cancels it, which closes
+    its engine generators and so aborts their requests. A streamed response is handed back at
+    once, and Starlette's streaming handles its own disconnects."""
+    handler = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_until_disconnect(request))
+    await asyncio.wait({handler, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    if handler.done():
+        watcher.cancel()
+        return handler.result()
+    handler.cancel()
+    return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
 
 
 def _add_error_handlers(app: FastAPI) -> None:
@@ -122,12 +143,12 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
         return {"object": "list", "data": data}
 
     @app.post("/v1/completions")
-    async def completions(req: CompletionRequest) -> Response:
-        return check_model(req.model) or await respond(await serving.completion(req))
+    async def completions(req: CompletionRequest, request: Request) -> Response:
+        return check_model(req.model) or await respond(await cancel_on_disconnect(request, serving.completion(req)))
 
     @app.post("/v1/chat/completions")
-    async def chat(req: ChatCompletionRequest) -> Response:
-        return check_model(req.model) or await respond(await serving.chat(req))
+    async def chat(req: ChatCompletionRequest, request: Request) -> Response:
+        return check_model(req.model) or await respond(await cancel_on_disconnect(request, serving.chat(req)))
 
     @app.post("/v1/embeddings")
     async def embeddings(req: EmbeddingRequest) -> Response:
