@@ -207,6 +207,38 @@ def test_metrics_count_requests_and_return_to_idle(server, client):
     assert values["vllm:generation_tokens_total"] >= 8
 
 
+def test_many_streams_some_leaving_early_all_whole_and_blocks_freed(server, offline):
+    texts, _ = offline
+
+    async def one(client, i):
+        stream = await client.completions.create(model="tiny", prompt=PROMPTS[i % 3], stream=True, **GREEDY)
+        parts = []
+        async for chunk in stream:
+            parts.append(chunk.choices[0].text)
+            if i % 3 == 2:  # a third of the clients leave after their first chunk
+                break
+        await stream.close()
+        return "".join(parts)
+
+    async def main():
+        client = openai.AsyncOpenAI(base_url=server + "/v1", api_key=KEY, max_retries=0)
+        return await asyncio.gather(*[one(client, i) for i in range(60)])
+
+    for i, text in enumerate(asyncio.run(main())):
+        if i % 3 != 2:
+            assert text == texts[i % 3]
+    deadline = time.time() + 10
+    while time.time() < deadline:  # the aborts reach the step thread between steps
+        body = _get(server + "/metrics")[1].decode()
+        values = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in body.splitlines()
+                  if line.startswith("vllm:") and "{" in line}
+        if values["vllm:num_requests_running"] + values["vllm:num_requests_waiting"] == 0:
+            break
+        time.sleep(0.1)
+    assert values["vllm:kv_cache_usage_perc"] == 0 and values["vllm:num_requests_running"] == 0
+    assert _get(server + "/health")[0] == 200
+
+
 def test_embeddings_from_a_pooling_model(tiny_bert, tmp_path):
     import numpy as np
 
