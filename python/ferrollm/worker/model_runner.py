@@ -107,6 +107,11 @@ class ModelRunner:
             if lps is not None:
                 lps.add(new.req_index, params, state.prompt_token_ids, state.output_token_ids)
 
+    def state_of(self, request_id: str) -> CachedRequestState | None:
+        """A scheduled request's state, left in place (streaming reads its logprobs each step)."""
+        idx = self._index_of.get(request_id)
+        return None if idx is None else self.requests.get(idx)
+
     def release(self, request_id: str) -> CachedRequestState | None:
         """Hands over and forgets the state of a request whose final output the core just gave
         (its logprobs); None if it never reached the runner."""

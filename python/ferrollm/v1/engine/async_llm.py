@@ -299,8 +299,7 @@ class AsyncLLM:
                 state = runner.release(sid)
                 parent = self._seq_parent.pop(sid, None)
             else:
-                idx = runner._index_of.get(sid)
-                state = None if idx is None else runner.requests.get(idx)
+                state = runner.state_of(sid)
                 parent = self._seq_parent.get(sid)
             if parent is None:  # aborted since: its final "abort" output has no consumer
                 continue
