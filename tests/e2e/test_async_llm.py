@@ -65,6 +65,25 @@ def test_delta_outputs_add_up_to_the_cumulative_ones(engine):
         assert tokens[c.index] == c.token_ids and text[c.index] == c.text and len(c.token_ids) == 6
 
 
+def test_a_slow_consumer_gets_merged_outputs(engine, offline):
+    async def slow(kind):
+        outs = []
+        async for out in engine.generate({"prompt_token_ids": PROMPTS[0]}, greedy(8, output_kind=kind), f"slow{kind}"):
+            outs.append(out)
+            await asyncio.sleep(0.3)  # several steps pile up meanwhile
+        return outs
+
+    want = offline[0].outputs[0]
+    for kind in (RequestOutputKind.CUMULATIVE, RequestOutputKind.DELTA):
+        outs = asyncio.run(slow(kind))
+        assert len(outs) < 8 and outs[-1].finished
+        if kind == RequestOutputKind.CUMULATIVE:
+            assert outs[-1].outputs[0].token_ids == want.token_ids and outs[-1].outputs[0].text == want.text
+        else:
+            assert sum((o.outputs[0].token_ids for o in outs), []) == want.token_ids
+            assert "".join(o.outputs[0].text for o in outs) == want.text
+
+
 def test_final_only_yields_once(engine):
     outs = asyncio.run(_collect(engine, PROMPTS[1], greedy(5, output_kind=RequestOutputKind.FINAL_ONLY), "final"))
     assert len(outs) == 1 and outs[0].finished and len(outs[0].outputs[0].token_ids) == 5

@@ -30,10 +30,11 @@ from ferrollm.entrypoints.prompts import multimodal_fields, normalize_prompts
 from ferrollm.exceptions import InvalidRequestError
 from ferrollm.outputs import PoolingOutput, PoolingRequestOutput, RequestOutput
 from ferrollm.pooling_params import PoolingParams
-from ferrollm.sampling_params import SamplingParams
+from ferrollm.sampling_params import RequestOutputKind, SamplingParams
 from ferrollm.v1.engine.request_stream import ABORTED, PoolingStream, RequestStream
 
 logger = logging.getLogger("ferrollm")
+_NOTHING = object()
 
 
 class AsyncLLM:
@@ -88,10 +89,20 @@ class AsyncLLM:
             Exception: whatever failed the step that held this request.
         """
         stream = self._submit(prompt, sampling_params, request_id, priority)
+        aggregate = stream.params.output_kind == RequestOutputKind.DELTA
         finished = False
+        leftover: Any = _NOTHING
         try:
             while True:
-                item = await stream.queue.get()
+                item = await stream.queue.get() if leftover is _NOTHING else leftover
+                leftover = _NOTHING
+                # A slow consumer gets what piled up as one output, not a backlog (as in vLLM).
+                while isinstance(item, RequestOutput) and not item.finished and not stream.queue.empty():
+                    nxt = stream.queue.get_nowait()
+                    if not isinstance(nxt, RequestOutput):
+                        leftover = nxt
+                        break
+                    item.add(nxt, aggregate)
                 if item is ABORTED:
                     return
                 if isinstance(item, BaseException):
@@ -146,7 +157,8 @@ class AsyncLLM:
         """Aborts requests (unknown or finished ids are ignored); their KV blocks are freed before
         the next step and their generators end."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
-        self._send(lambda: self._abort(ids))
+        if not self._stopping:  # after shutdown every request has ended already
+            self._send(lambda: self._abort(ids))
 
     async def get_tokenizer(self) -> Any:
         """The model's transformers tokenizer."""
