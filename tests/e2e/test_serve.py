@@ -116,6 +116,11 @@ def test_completion_is_the_offline_greedy_text_whole_and_streamed(client, offlin
                                             stream_options={"include_usage": True}, **GREEDY))
     assert "".join(c.choices[0].text for c in chunks if c.choices) == texts[0]
     assert chunks[-1].usage.completion_tokens == 8 and chunks[-2].choices[0].finish_reason == "length"
+    whole = client.completions.create(model="tiny", prompt=PROMPTS[0], logprobs=2, **GREEDY).choices[0].logprobs
+    assert len(whole.tokens) == 8 and all(1 <= len(t) <= 3 for t in whole.top_logprobs)  # keyed by text: may collide
+    streamed = [c.choices[0].logprobs for c in client.completions.create(
+        model="tiny", prompt=PROMPTS[0], logprobs=2, stream=True, **GREEDY)]
+    assert sum((lp.token_logprobs for lp in streamed), []) == pytest.approx(whole.token_logprobs, abs=1e-5)
 
 
 def test_chat_whole_and_streamed(client, offline):
@@ -129,6 +134,10 @@ def test_chat_whole_and_streamed(client, offline):
     chunks = [c for c in stream]
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == chat_text
+    streamed = client.chat.completions.create(model="tiny", messages=messages, stream=True, logprobs=True,
+                                              top_logprobs=1, **GREEDY)
+    tokens = [t for c in streamed for t in c.choices[0].logprobs.content]
+    assert [t.logprob for t in tokens] == pytest.approx([t.logprob for t in choice.logprobs.content], abs=1e-5)
 
 
 def test_n_seed_stop_and_max_completion_tokens(client):

@@ -49,9 +49,10 @@ class OpenAIServing:
             if bad:
                 raise InvalidRequestError(f"`{name}` is not supported by ferrollm serve yet. Given: {getattr(req, name)!r}")
         prompts = _completion_prompts(req.prompt)
+        rid = f"cmpl-{uuid.uuid4().hex}"
         gens = [self.engine.generate(p, self._params(req, req.max_tokens, req.logprobs, p), f"{rid}-{i}")
-                for i, p in enumerate(prompts) for rid in [f"cmpl-{uuid.uuid4().hex}"]]
-        head = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": self.model_name}
+                for i, p in enumerate(prompts)]
+        head = {"id": rid, "created": int(time.time()), "model": self.model_name}
         if req.stream:
             return await _sse(self._completion_chunks(req, gens, head))
         finals = await asyncio.gather(*[_last(g) for g in gens])
@@ -100,8 +101,9 @@ class OpenAIServing:
                                   req.chat_template, req.continue_final_message, req.chat_template_kwargs)
         top = (req.top_logprobs or 0) if req.logprobs else None
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        gen = self.engine.generate(prompt, self._params(req, max_tokens, top, prompt), f"chatcmpl-{uuid.uuid4().hex}")
-        head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": self.model_name}
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        gen = self.engine.generate(prompt, self._params(req, max_tokens, top, prompt), rid)
+        head = {"id": rid, "created": int(time.time()), "model": self.model_name}
         if req.stream:
             return await _sse(self._chat_chunks(req, gen, head))
         final = await _last(gen)
