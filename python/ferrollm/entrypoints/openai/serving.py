@@ -10,13 +10,16 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 from ferrollm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    EmbeddingRequest,
+    ErrorType,
     _Sampling,
+    error_body,
 )
 from ferrollm.exceptions import InvalidRequestError
 from ferrollm.outputs import CompletionOutput, RequestOutput
@@ -60,7 +63,7 @@ class OpenAIServing:
                    for c in out.outputs]
         return {**head, "object": "text_completion", "choices": choices, "usage": _usage(finals)}
 
-    async def _completion_chunks(self, req: CompletionRequest, gens: list, head: dict) -> AsyncIterator[dict]:
+    async def _completion_chunks(self, req: CompletionRequest, gens: list, head: dict) -> AsyncGenerator[dict, None]:
         usage = _StreamUsage()
         async for i, out in _merge(gens):
             usage.add(i, out)
@@ -112,7 +115,7 @@ class OpenAIServing:
                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in final.outputs]
         return {**head, "object": "chat.completion", "choices": choices, "usage": _usage([final])}
 
-    async def _chat_chunks(self, req: ChatCompletionRequest, gen, head: dict) -> AsyncIterator[dict]:
+    async def _chat_chunks(self, req: ChatCompletionRequest, gen, head: dict) -> AsyncGenerator[dict, None]:
         chunk = {**head, "object": "chat.completion.chunk"}
         started: set[int] = set()
         usage = _StreamUsage()
@@ -182,7 +185,7 @@ def _text_content(content: Any, index: int) -> str:
     return "\n".join(parts)
 
 
-async def _last(gen) -> RequestOutput:
+async def _last(gen) -> Any:
     out = None
     async for out in gen:
         pass
@@ -218,11 +221,9 @@ async def _merge(gens: list) -> AsyncIterator[tuple[int, RequestOutput]]:
             await g.aclose()
 
 
-async def _sse(chunks: AsyncIterator[dict]) -> AsyncIterator[str]:
+async def _sse(chunks: AsyncGenerator[dict, None]) -> AsyncIterator[str]:
     """Waits for the first chunk (so a bad request is still a plain 400), then streams
     `data: {...}` events and `data: [DONE]`; an error mid-stream becomes an error event."""
-    from ferrollm.entrypoints.openai.protocol import error_body
-
     try:
         first = await chunks.__anext__()
     except StopAsyncIteration:
@@ -235,7 +236,9 @@ async def _sse(chunks: AsyncIterator[dict]) -> AsyncIterator[str]:
             async for chunk in chunks:
                 yield f"data: {json.dumps(chunk)}\n\n"
         except Exception as e:
-            code, kind = (400, "BadRequestError") if isinstance(e, ValueError) else (500, "InternalServerError")
+            bad = isinstance(e, (ValueError, NotImplementedError))
+            kind: ErrorType = "BadRequestError" if bad else "InternalServerError"
+            code = 400 if bad else 500
             yield f"data: {json.dumps(error_body(str(e), kind, code))}\n\n"
         finally:
             await chunks.aclose()  # a disconnected client lands here: aborts its requests

@@ -31,7 +31,7 @@ from ferrollm.exceptions import InvalidRequestError
 from ferrollm.outputs import PoolingOutput, PoolingRequestOutput, RequestOutput
 from ferrollm.pooling_params import PoolingParams
 from ferrollm.sampling_params import RequestOutputKind, SamplingParams
-from ferrollm.v1.engine.request_stream import ABORTED, PoolingStream, RequestStream
+from ferrollm.v1.engine.request_stream import ABORTED, Delivery, PoolingStream, RequestStream
 
 logger = logging.getLogger("ferrollm")
 _NOTHING = object()
@@ -194,7 +194,8 @@ class AsyncLLM:
             self._stopping = True
             self._cv.notify()
         self._thread.join()
-        for stream in [*self._streams.values(), *self._pooling.values()]:
+        deliveries: list[Delivery] = [*self._streams.values(), *self._pooling.values()]
+        for stream in deliveries:
             stream.put(ABORTED)
         self._streams.clear()
         self._pooling.clear()
@@ -344,7 +345,8 @@ class AsyncLLM:
             self.stat_logger.on_finished([s.finish_reason for s in stream.seqs], now - stream.arrival_time)
 
     def _fail_all(self, error: BaseException) -> None:
-        for stream in [*self._streams.values(), *self._pooling.values()]:
+        deliveries: list[Delivery] = [*self._streams.values(), *self._pooling.values()]
+        for stream in deliveries:
             stream.put(error)
         self._streams.clear()
         self._pooling.clear()

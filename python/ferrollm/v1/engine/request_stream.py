@@ -48,7 +48,29 @@ class _Sequence:
             finish_reason=self.finish_reason, stop_reason=self.stop_reason)
 
 
-class RequestStream:
+class Delivery:
+    """A request's queue on its consumer's event loop, filled from the step thread.
+
+    Args:
+        request_id: The caller's id.
+        loop: The event loop of the coroutine that consumes `queue`.
+    """
+
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop):
+        self.request_id = request_id
+        self.loop = loop
+        self.queue: asyncio.Queue[Any] = asyncio.Queue()
+
+    def put(self, item: Any) -> None:
+        """Hands an output, an error or `ABORTED` to the consumer's loop (thread-safe); a closed
+        loop drops it."""
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the consumer's loop is closed: nobody is listening
+            pass
+
+
+class RequestStream(Delivery):
     """A request submitted to `AsyncLLM.generate`, from the step thread's side.
 
     Args:
@@ -60,11 +82,9 @@ class RequestStream:
 
     def __init__(self, request_id: str, prompt: str | None, params: SamplingParams,
                  loop: asyncio.AbstractEventLoop):
-        self.request_id = request_id
+        super().__init__(request_id, loop)
         self.prompt = prompt
         self.params = params
-        self.loop = loop
-        self.queue: asyncio.Queue[RequestOutput | BaseException | None] = asyncio.Queue()
         self.seqs = [_Sequence(i) for i in range(params.n)]
         self.prompt_token_ids: list[int] | None = None
         self.prompt_logprobs: Any = None
@@ -128,26 +148,10 @@ class RequestStream:
             self.prompt_logprobs = None
         self.put(out)
 
-    def put(self, item: RequestOutput | BaseException | None) -> None:
-        """Hands an item to the consumer's event loop (thread-safe); a closed loop drops it."""
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-        except RuntimeError:  # the consumer's loop is closed: nobody is listening
-            pass
 
-
-class PoolingStream:
-    """A request submitted to `AsyncLLM.encode`: one result, delivered when its step ends.
-
-    Args:
-        request_id: The caller's id.
-        loop: The event loop of the coroutine that consumes `queue`.
-    """
+class PoolingStream(Delivery):
+    """A request submitted to `AsyncLLM.encode`: one result, delivered when its step ends."""
 
     def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop):
-        self.request_id = request_id
-        self.loop = loop
-        self.queue: asyncio.Queue[Any] = asyncio.Queue()
+        super().__init__(request_id, loop)
         self.prompt_token_ids: list[int] = []
-
-    put = RequestStream.put
