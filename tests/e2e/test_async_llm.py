@@ -161,3 +161,26 @@ def test_encode_embeds_like_llm_embed(tiny_bert):
     for got, w in zip(outs, want):
         assert len(got) == 1 and got[0].finished and got[0].prompt_token_ids == w.prompt_token_ids
         assert got[0].outputs.data.tolist() == pytest.approx(w.outputs.embedding, abs=1e-6)
+
+
+def test_a_failing_step_fails_its_requests_and_the_loop_serves_on(engine, monkeypatch):
+    runner = engine.engine.runner
+    real = runner.execute_model
+    calls = {"n": 0}
+
+    def flaky(step):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("boom in the model")
+        return real(step)
+
+    monkeypatch.setattr(runner, "execute_model", flaky)
+
+    async def main():
+        return await asyncio.gather(*[_collect(engine, p, greedy(6), f"fail{i}") for i, p in enumerate(PROMPTS)],
+                                    return_exceptions=True)
+
+    results = asyncio.run(main())
+    assert all(isinstance(r, RuntimeError) and "boom" in str(r) for r in results)
+    assert asyncio.run(_collect(engine, PROMPTS[0], greedy(3), "after-fail"))[-1].finished
+    assert engine.errored is False
