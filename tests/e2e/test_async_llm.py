@@ -102,6 +102,7 @@ def test_abort_ends_the_stream_and_frees_blocks(engine):
     asyncio.run(_collect(engine, PROMPTS[2], greedy(2), "after"))  # the loop still serves
     stats = engine.engine.core.stats()
     assert stats["num_running"] == 0 and stats["num_waiting"] == 0
+    assert not engine.engine.stats.requests  # no per-request timing left behind
 
 
 def test_closing_the_generator_aborts_its_request(engine):

@@ -286,6 +286,7 @@ class AsyncLLM:
             if pooled is not None:
                 self.engine.core.abort_requests([rid])
                 self.engine.pooling_runner.release(rid)
+                self._drop_stats(rid)
                 pooled.put(ABORTED)
             stream = self._streams.pop(rid, None)
             if stream is None:
@@ -295,6 +296,7 @@ class AsyncLLM:
             logger.info("aborted request %s", rid)
             for sid in seq_ids:
                 del self._seq_parent[sid]
+                self._drop_stats(sid)
                 # Drops parameters of a request never scheduled; a scheduled one's state goes
                 # with the next step's finished indices.
                 self.engine.generation_runner.release(sid)
@@ -310,6 +312,7 @@ class AsyncLLM:
             sid = out.request_id
             if out.finished:
                 state = runner.release(sid)
+                self._drop_stats(sid)
                 parent = self._seq_parent.pop(sid, None)
             else:
                 state = runner.state_of(sid)
@@ -331,10 +334,16 @@ class AsyncLLM:
     def _dispatch_pooled(self, outputs: list[Any]) -> None:
         for out in outputs:
             pooled = self.engine.pooling_runner.release(out.request_id)
+            self._drop_stats(out.request_id)
             stream = self._pooling.pop(out.request_id, None)
             if stream is not None and pooled is not None:
                 stream.put(PoolingRequestOutput(stream.request_id, PoolingOutput(pooled), stream.prompt_token_ids,
                                                 0, True))
+
+    def _drop_stats(self, seq_id: str) -> None:
+        """Forgets a finished sequence's timing (the engine's throughput log keeps its counts)."""
+        if self.engine.stats is not None:
+            self.engine.stats.pop(seq_id)
 
     def _record(self, stream: RequestStream, now: float) -> None:
         since_last = None if stream.last_token_time is None else now - stream.last_token_time
