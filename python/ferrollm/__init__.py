@@ -37,6 +37,7 @@ configure_logging()
 
 __all__ = [
     "LLM",
+    "AsyncLLM",
     "BeamSearchParams",
     "EngineArgs",
     "CompletionOutput",
@@ -78,4 +79,8 @@ def __getattr__(name: str):
         from ferrollm.engine.arg_utils import EngineArgs
 
         return EngineArgs
+    if name == "AsyncLLM":
+        from ferrollm.v1.engine.async_llm import AsyncLLM
+
+        return AsyncLLM
     raise AttributeError(f"module 'ferrollm' has no attribute {name!r}")

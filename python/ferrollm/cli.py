@@ -1,4 +1,5 @@
-"""The `ferrollm` command line: `ferrollm generate`, `ferrollm chat` and `ferrollm bench`.
+"""The `ferrollm` command line: `ferrollm generate`, `ferrollm chat`, `ferrollm bench` and
+`ferrollm serve` (an OpenAI-compatible server, `entrypoints/openai`).
 
     ferrollm generate "The capital of France is" --max-tokens 32
     ferrollm chat "What is the capital of France?" "Write a haiku about the sea."
@@ -50,12 +51,15 @@ def _parser() -> argparse.ArgumentParser:
     from ferrollm.benchmarks.runner import add_bench_parser
 
     add_bench_parser(sub)
+    from ferrollm.entrypoints.openai.cli_args import add_serve_parser
+
+    add_serve_parser(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    if args.command == "bench":
+    if args.command in ("bench", "serve"):
         args.func(args)
         return 0
     if args.model is None:

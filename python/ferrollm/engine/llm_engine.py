@@ -95,7 +95,9 @@ class LLMEngine:
             has_file=not model_config.source.is_gguf)
 
     @classmethod
-    def from_args(cls, args: EngineArgs) -> LLMEngine:
+    def from_args(cls, args: EngineArgs, stream_outputs: bool = False) -> LLMEngine:
+        """`stream_outputs`: the core's `update` also returns each unfinished request's new tokens
+        (`AsyncLLM`); the offline path pays for finished outputs only."""
         args.validate()
         if args.tensor_parallel_size > 1 and args.distributed_executor_backend != "external_launcher":
             check_not_bootstrapping()
@@ -143,14 +145,14 @@ class LLMEngine:
             return cls(args, model_config, tokenizers, core, runner)
         # vLLM's encoder budget: a step's worth of tokens, but never less than the largest item.
         per_item = mm_processor.max_tokens_per_item() if mm_processor is not None else 0
-        engine = cls._from_workers(args, model_config, tokenizers, device, clock, per_item)
+        engine = cls._from_workers(args, model_config, tokenizers, device, clock, per_item, stream_outputs)
         engine.mm_processor = mm_processor
         clock.log()
         return engine
 
     @classmethod
     def _from_workers(cls, args: EngineArgs, mc: ModelConfig, tokenizers: Tokenizers, device: torch.device,
-                      clock: StartupClock, tokens_per_mm_item: int = 0) -> LLMEngine:
+                      clock: StartupClock, tokens_per_mm_item: int = 0, stream_outputs: bool = False) -> LLMEngine:
         """A generative engine: every rank loads its shard and states how many KV blocks it can
         hold; the core gets the smallest number, and every rank allocates that many."""
         batched = _batched_tokens(args, mc.max_model_len)
@@ -187,7 +189,8 @@ class LLMEngine:
                 num_blocks = min(run("load_model"))
             load_seconds = time.perf_counter() - start
             with clock.phase("KV cache"):
-                core = _build_core(args, mc, driver.sliding_window(), num_blocks, tokenizers, options.encoder_budget)
+                core = _build_core(args, mc, driver.sliding_window(), num_blocks, tokenizers, options.encoder_budget,
+                                  stream_outputs)
                 run("init_kv_cache", num_blocks, tokenizers.eos_token_ids)
         except BaseException:
             if executor is not None:
@@ -434,7 +437,7 @@ def _log_memory(args: EngineArgs, mc: ModelConfig, runner: ModelRunner, num_bloc
 
 
 def _build_core(args: EngineArgs, mc: ModelConfig, window: int | None, num_blocks: int,
-                tokenizers: Tokenizers, encoder_budget: int = 0) -> EngineCore:
+                tokenizers: Tokenizers, encoder_budget: int = 0, stream_outputs: bool = False) -> EngineCore:
     batched = _batched_tokens(args, mc.max_model_len)
     return EngineCore(
         tokenizer=tokenizers.core, block_size=args.block_size, num_blocks=num_blocks,
@@ -443,6 +446,7 @@ def _build_core(args: EngineArgs, mc: ModelConfig, window: int | None, num_block
         enable_chunked_prefill=_chunked_prefill(args), long_prefill_token_threshold=args.long_prefill_token_threshold,
         scheduling_policy=args.scheduling_policy, max_num_encoder_input_tokens=max(batched, encoder_budget),
         disable_chunked_mm_input=_bidirectional_mm(mc),
+        stream_outputs=stream_outputs,
     )
 
 

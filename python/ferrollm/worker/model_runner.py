@@ -114,6 +114,13 @@ class ModelRunner:
         until `release` hands it over (`async_scheduling` delivers outputs one step later)."""
         self._held[request_id] = self.release(request_id)
 
+    def state_of(self, request_id: str) -> CachedRequestState | None:
+        """A scheduled request's state, left in place (streaming reads its logprobs each step)."""
+        if request_id in self._held:
+            return self._held[request_id]
+        idx = self._index_of.get(request_id)
+        return None if idx is None else self.requests.get(idx)
+
     def release(self, request_id: str) -> CachedRequestState | None:
         """Hands over and forgets the state of a request whose final output the core just gave
         (its logprobs); None if it never reached the runner."""

@@ -11,7 +11,11 @@ from typing import TYPE_CHECKING, Any
 
 from ferrollm.logits_process import LogitsProcessor as RequestLogitsProcessor
 from ferrollm.v1.sample.logits_processor.builtin import process_dict_updates
-from ferrollm.v1.sample.logits_processor.interface import BatchUpdate, LogitsProcessor, MoveDirectionality
+from ferrollm.v1.sample.logits_processor.interface import (
+    BatchUpdate,
+    LogitsProcessor,
+    MoveDirectionality,
+)
 
 if TYPE_CHECKING:
     import torch

@@ -5,7 +5,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, TypeVar
 
-from ferrollm.v1.sample.logits_processor.interface import BatchUpdate, MoveDirectionality
+from ferrollm.v1.sample.logits_processor.interface import (
+    BatchUpdate,
+    MoveDirectionality,
+)
 
 if TYPE_CHECKING:
     from ferrollm.sampling_params import SamplingParams

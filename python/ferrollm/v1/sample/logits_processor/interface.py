@@ -64,7 +64,7 @@ class LogitsProcessor(ABC):
     def validate_params(cls, sampling_params: SamplingParams) -> None:
         """Raises `ValueError` when a request's parameters (its `extra_args`) are invalid for
         this processor; called when the request is added."""
-        return None
+        return
 
     @abstractmethod
     def __init__(self, vllm_config: Any, device: torch.device, is_pin_memory: bool) -> None:

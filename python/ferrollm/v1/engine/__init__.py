@@ -1,0 +1,1 @@
+"""vLLM v1's engine path: `ferrollm.v1.engine.async_llm.AsyncLLM`."""
