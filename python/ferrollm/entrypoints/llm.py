@@ -43,7 +43,9 @@ class LLM(PoolingMixin):
         model: a local checkpoint folder, a `.gguf` file, or a hub id (from the local Hugging
             Face cache, or fetched unless `HF_HUB_OFFLINE` is set).
         tokenizer: a tokenizer folder or hub id; defaults to the model's own.
-        dtype: "auto", "float32", "bfloat16" or "float16". "auto" runs fp32 on the CPU.
+        dtype: "auto", "float32", "bfloat16" or "float16". On the CPU "auto" keeps a bf16 (or
+            fp16) checkpoint in bf16 and runs an fp32 one in fp32, or in bf16 where the CPU has
+            native bf16 dot products (AVX512-BF16, AMX); the start-up log says which and why.
         seed: seeds the global random state used by requests without their own seed.
         max_model_len: the longest prompt + output; defaults to the model's maximum.
         max_num_seqs: requests running at once.
