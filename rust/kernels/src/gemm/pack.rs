@@ -41,6 +41,28 @@ pub struct RowBlock {
     pub stride: usize,
 }
 
+impl RowBlock {
+    /// Checks that the block's rows fit a weight of `out_features` rows of `in_features` and
+    /// that a source of `src_len` elements holds them at its stride.
+    pub(crate) fn check(
+        self,
+        src_len: usize,
+        out_features: usize,
+        in_features: usize,
+    ) -> Result<(), KernelError> {
+        let RowBlock { first, rows, stride } = self;
+        if first + rows > out_features {
+            let limit = format!("<= out_features - rows ({out_features} - {rows})");
+            return Err(KernelError::Value { name: "first_row", limit, value: first as i64 });
+        }
+        if rows > 0 && stride < in_features {
+            let limit = format!(">= in_features ({in_features})");
+            return Err(KernelError::Value { name: "stride", limit, value: stride as i64 });
+        }
+        check_len("weight", src_len, if rows == 0 { 0 } else { (rows - 1) * stride + in_features })
+    }
+}
+
 /// Packs one block of rows of an `[out_features, in_features]` weight into their columns of
 /// `packed` (the whole weight's [`packed_len`] elements), leaving every other element as it is.
 /// A loader packs each checkpoint tensor (q, k, v; gate, up; a rank's slice) straight from the
@@ -55,7 +77,7 @@ pub fn pack_weight_rows(
 ) -> Result<(), KernelError> {
     let panels = Panels::new(out_features, in_features);
     check_len("packed", packed.len(), panels.len())?;
-    check_block(src.len(), block, out_features, in_features)?;
+    block.check(src.len(), out_features, in_features)?;
     if block.rows == 0 || in_features == 0 {
         return Ok(());
     }
@@ -76,24 +98,6 @@ pub fn pack_weight_rows(
         }
     });
     Ok(())
-}
-
-fn check_block(
-    src_len: usize,
-    block: RowBlock,
-    out_features: usize,
-    in_features: usize,
-) -> Result<(), KernelError> {
-    let RowBlock { first, rows, stride } = block;
-    if first + rows > out_features {
-        let limit = format!("<= out_features - rows ({out_features} - {rows})");
-        return Err(KernelError::Value { name: "first_row", limit, value: first as i64 });
-    }
-    if rows > 0 && stride < in_features {
-        let limit = format!(">= in_features ({in_features})");
-        return Err(KernelError::Value { name: "stride", limit, value: stride as i64 });
-    }
-    check_len("weight", src_len, if rows == 0 { 0 } else { (rows - 1) * stride + in_features })
 }
 
 /// Row `k` of the panel is `weight[cols, k]` for the panel's columns that `block` holds: reads

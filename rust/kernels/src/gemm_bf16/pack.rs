@@ -90,7 +90,7 @@ pub fn pack_weight_rows_bf16(
 ) -> Result<(), KernelError> {
     let panels = PairPanels::new(out_features, in_features);
     check_len("packed", packed.len(), panels.len())?;
-    check_block(src.len(), block, out_features, in_features)?;
+    block.check(src.len(), out_features, in_features)?;
     if block.rows == 0 || in_features == 0 {
         return Ok(());
     }
@@ -111,24 +111,6 @@ pub fn pack_weight_rows_bf16(
         }
     });
     Ok(())
-}
-
-fn check_block(
-    src_len: usize,
-    block: RowBlock,
-    out_features: usize,
-    in_features: usize,
-) -> Result<(), KernelError> {
-    let RowBlock { first, rows, stride } = block;
-    if first + rows > out_features {
-        let limit = format!("<= out_features - rows ({out_features} - {rows})");
-        return Err(KernelError::Value { name: "first_row", limit, value: first as i64 });
-    }
-    if rows > 0 && stride < in_features {
-        let limit = format!(">= in_features ({in_features})");
-        return Err(KernelError::Value { name: "stride", limit, value: stride as i64 });
-    }
-    check_len("weight", src_len, if rows == 0 { 0 } else { (rows - 1) * stride + in_features })
 }
 
 /// Fills the words of the panel's columns that `block` holds, one panel row after another.
