@@ -28,6 +28,7 @@ from ferrollm.model_executor.layers.norm import GemmaRMSNorm
 from ferrollm.model_executor.models.gemma3 import Gemma3ForCausalLM
 from ferrollm.model_executor.models.qwen2_vl import TEXT_ONLY_ATTR
 from ferrollm.model_executor.models.siglip import SiglipVisionModel
+from ferrollm.model_executor.models.utils import LanguageModelDelegate
 
 __all__ = ["Gemma3ForConditionalGeneration"]
 
@@ -53,7 +54,7 @@ class Gemma3MultiModalProjector(nn.Module):
         return torch.matmul(self.mm_soft_emb_norm(pooled.contiguous()), self.mm_input_projection_weight)
 
 
-class Gemma3ForConditionalGeneration(nn.Module):
+class Gemma3ForConditionalGeneration(LanguageModelDelegate, nn.Module):
     """Gemma 3 (4B and up): SigLIP + projector + Gemma 3 decoder.
 
     Args:
@@ -86,15 +87,6 @@ class Gemma3ForConditionalGeneration(nn.Module):
         self.lm_head = lm.lm_head
 
     # -- the engine's model interface (see CausalLMInterface) ----------------------------------
-
-    def kv_cache_spec(self) -> tuple[int, int, int]:
-        return self.language_model.kv_cache_spec()
-
-    def sliding_window_spec(self) -> int | None:
-        return self.language_model.sliding_window_spec()
-
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.language_model.compute_logits(hidden_states)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 attn_metadata: AttentionMetadata,

@@ -39,6 +39,7 @@ from ferrollm.model_executor.models.qwen2_vl_vision import (
     Qwen2_5_VisionTransformer,
     Qwen2VisionTransformer,
 )
+from ferrollm.model_executor.models.utils import LanguageModelDelegate
 
 __all__ = ["Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration"]
 
@@ -73,7 +74,7 @@ def _text_config(config: PretrainedConfig) -> PretrainedConfig:
     return text
 
 
-class Qwen2VLForConditionalGeneration(nn.Module):
+class Qwen2VLForConditionalGeneration(LanguageModelDelegate, nn.Module):
     """Qwen2-VL: a ViT over whole images and a Qwen2 decoder with M-RoPE.
 
     Args:
@@ -108,15 +109,6 @@ class Qwen2VLForConditionalGeneration(nn.Module):
         return int(config.vision_config.hidden_size)
 
     # -- the engine's model interface (see CausalLMInterface) ----------------------------------
-
-    def kv_cache_spec(self) -> tuple[int, int, int]:
-        return self.language_model.kv_cache_spec()
-
-    def sliding_window_spec(self) -> int | None:
-        return self.language_model.sliding_window_spec()
-
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.language_model.compute_logits(hidden_states)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 attn_metadata: AttentionMetadata,

@@ -13,6 +13,22 @@ from ferrollm.model_executor.weight_utils import default_weight_loader
 
 __all__ = ["CausalLMInterface", "layer_sliding_window", "load_weights_into"]
 
+class LanguageModelDelegate:
+    """The engine's model interface (see `CausalLMInterface`) of a multimodal model, answered by
+    its `language_model`: the decoder owns the KV cache layout, windows and LM head."""
+
+    language_model: nn.Module
+
+    def kv_cache_spec(self) -> tuple[int, int, int]:
+        return self.language_model.kv_cache_spec()
+
+    def sliding_window_spec(self) -> int | None:
+        return self.language_model.sliding_window_spec()
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.language_model.compute_logits(hidden_states)
+
+
 class CausalLMInterface:
     """What the engine asks of every decoder beyond ``forward``: KV sizing, the sliding window
     when every layer shares one, and logits from the LM head.
