@@ -5,10 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import socket
-import subprocess
-import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -16,25 +12,12 @@ from pathlib import Path
 import openai
 import pytest
 from ferrollm import LLM, SamplingParams
+from helpers.server import get as _get
+from helpers.server import start as _start
 
 KEY = "test-key"
 TEMPLATE = "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"
 PROMPTS = ["Hello world, the quick", "The end. More text", "Numbers 12345 and"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _get(url: str, key: str | None = None) -> tuple[int, bytes]:
-    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {key}"} if key else {})
-    try:
-        with urllib.request.urlopen(req, timeout=10) as r:
-            return r.status, r.read()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read()
 
 
 def _post(url: str, body: dict, key: str | None = KEY) -> tuple[int, dict]:
@@ -50,28 +33,6 @@ def _post(url: str, body: dict, key: str | None = KEY) -> tuple[int, dict]:
 @pytest.fixture(scope="module")
 def server_log(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("serve") / "server.log"
-
-
-def _start(model: Path, log: Path, *flags: str):
-    """A server process for `model`, once /health answers 200; returns (process, base URL)."""
-    port = _free_port()
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2] / "python"),
-                                                         os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "ferrollm.cli", "serve", str(model), "--host", "127.0.0.1", "--port", str(port),
-         "--uvicorn-log-level", "warning", *flags], env=env, stderr=log.open("w"))
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 90
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"the server exited with {proc.returncode}: {log.read_text()[-2000:]}")
-        try:
-            if _get(url + "/health")[0] == 200:
-                return proc, url
-        except OSError:
-            time.sleep(0.2)
-    proc.kill()
-    pytest.fail("the server did not become healthy in 90 s")
 
 
 @pytest.fixture(scope="module")
