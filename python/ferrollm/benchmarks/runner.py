@@ -137,3 +137,6 @@ def add_bench_parser(sub) -> None:
     lat.add_argument("--num-iters-warmup", type=int, default=1)
     lat.add_argument("--num-iters", type=int, default=3)
     lat.set_defaults(func=run_latency)
+    from ferrollm.benchmarks.serve import add_serve_bench_parser
+
+    add_serve_bench_parser(kinds)
