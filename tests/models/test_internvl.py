@@ -80,3 +80,32 @@ def test_limit_0_skips_the_vision_tower(internvl):
         with pytest.raises(ValueError, match=r"At most 0 image.*Given: 1"):
             llm.generate({"prompt": f"x{IMAGE}", "multi_modal_data": {"image": random_image(4, 30, 30)}},
                          GREEDY, use_tqdm=False)
+
+
+def _transformers5_name(name: str) -> str:
+    name = name.replace("language_model.model.", "language_model.", 1)
+    return "lm_head.weight" if name == "language_model.lm_head.weight" else f"model.{name}"
+
+
+def test_transformers5_names_and_an_expanded_prompt_load(internvl, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    folder, hf_model, processor = internvl
+    for f in folder.iterdir():
+        if f.name != "model.safetensors":
+            shutil.copy(f, tmp_path / f.name)
+    tensors = load_file(folder / "model.safetensors")
+    save_file({_transformers5_name(k): v for k, v in tensors.items()}, tmp_path / "model.safetensors",
+              metadata={"format": "pt"})
+    image = random_image(6, 50, 40)
+    with LLM(str(tmp_path), max_model_len=256) as llm:
+        (out,) = _check_against_transformers(llm, hf_model, processor, [(f"see{IMAGE} it", [image])])
+        # The processor's own expansion, given as ids, is taken as it is.
+        again = llm.generate({"prompt_token_ids": list(out.prompt_token_ids), "multi_modal_data": {"image": image}},
+                             GREEDY, use_tqdm=False)[0]
+        assert list(again.outputs[0].token_ids) == list(out.outputs[0].token_ids)
+        with pytest.raises(ValueError, match=r"placeholder"):
+            llm.generate({"prompt": f"one{IMAGE} only", "multi_modal_data": {"image": [image, image]}},
+                         GREEDY, use_tqdm=False)
