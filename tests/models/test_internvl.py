@@ -6,6 +6,8 @@ skips the vision tower."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from ferrollm import LLM, SamplingParams
@@ -109,3 +111,24 @@ def test_transformers5_names_and_an_expanded_prompt_load(internvl, tmp_path):
         with pytest.raises(ValueError, match=r"placeholder"):
             llm.generate({"prompt": f"one{IMAGE} only", "multi_modal_data": {"image": [image, image]}},
                          GREEDY, use_tqdm=False)
+
+
+def test_a_checkpoint_without_lm_head_ties_it_as_transformers_does(internvl, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    folder, _, _ = internvl
+    for f in folder.iterdir():
+        if f.name != "model.safetensors":
+            shutil.copy(f, tmp_path / f.name)
+    tensors = load_file(folder / "model.safetensors")
+    head = tensors.pop("language_model.lm_head.weight")
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((tmp_path / "config.json").read_text())
+    config.pop("tie_word_embeddings", None)  # transformers' default: True at the top level
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with LLM(str(tmp_path), max_model_len=256, limit_mm_per_prompt={"image": 0}) as llm:
+        lm = llm.llm_engine.generation_runner.model.language_model
+        embedding = tensors["language_model.model.embed_tokens.weight"]
+        assert torch.equal(lm.lm_head.weight, embedding) and not torch.equal(lm.lm_head.weight, head)

@@ -142,8 +142,14 @@ class InternVLForConditionalGeneration(LanguageModelDelegate, nn.Module):
         projector: dict[str, torch.Tensor] = {}
         skipped = 0
 
+        # transformers ties lm_head to the embedding by the top-level tie_word_embeddings (True
+        # unless set) when the checkpoint has no lm_head, whatever the text config says.
+        tie_missing_head = bool(getattr(self.config, "tie_word_embeddings", True)) and \
+            not self.language_model.tie_word_embeddings
+        head_seen, embedding = False, None
+
         def text_weights():
-            nonlocal skipped
+            nonlocal skipped, head_seen, embedding
             for name, tensor in weights:
                 name = name.removeprefix("model.")
                 if name.startswith(("vision_tower.", "multi_modal_projector.")):
@@ -160,7 +166,11 @@ class InternVLForConditionalGeneration(LanguageModelDelegate, nn.Module):
                     name = "model." + name.removeprefix("language_model.model.")
                 elif name.startswith("language_model."):
                     name = "model." + name.removeprefix("language_model.")
+                head_seen |= name.startswith("lm_head.")
+                embedding = tensor if name == "model.embed_tokens.weight" else embedding
                 yield name, tensor
+            if tie_missing_head and not head_seen and embedding is not None:
+                yield "lm_head.weight", embedding
 
         loaded = {f"language_model.{n}" for n in self.language_model.load_weights(text_weights())}
         if self.vision_tower is not None and self.multi_modal_projector is not None:
