@@ -63,7 +63,7 @@ GROUP_REASONS: dict[str, str] = {
                       "expert or context parallelism, no multi-node and no Ray",
     "CacheConfig": "not supported by ferrollm's paged KV cache",
     "OffloadConfig": "weight offloading to CPU memory is not supported",
-    "MultiModalConfig": "not supported by ferrollm's multimodal path (images for Qwen2-VL, Qwen2.5-VL and Gemma 3)",
+    "MultiModalConfig": "not supported by ferrollm's multimodal path (images for Qwen2-VL, Qwen2.5-VL, Gemma 3 and InternVL)",
     "LoRAConfig": "LoRA adapters are not supported",
     "LoggingConfig": "ferrollm logs through the standard `logging` module (logger 'ferrollm'); "
                      "configure it there",
