@@ -93,17 +93,13 @@ class Gemma3ForConditionalGeneration(LanguageModelDelegate, nn.Module):
                 mm_embeds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Runs one step; ``mm_embeds = (rows, embeds)`` are the image embeddings of the step's
         placeholder rows. Returns the final hidden states ``[num_tokens, hidden_size]``."""
+        return self.run_decoder(input_ids, positions, kv_caches, attn_metadata, mm_embeds, self._scaled_embeds)
+
+    def _scaled_embeds(self, input_ids: torch.Tensor) -> torch.Tensor:
         model = self.language_model.model
-        if mm_embeds is None:
-            return model(input_ids, positions, kv_caches, attn_metadata)
         # The soft token may lie outside the vocabulary (262144 in the released models).
-        ids = input_ids.masked_fill(input_ids >= self.vocab_size, 0)
-        embeds = model.embed_tokens(ids)
-        if model.embed_scale is not None:
-            embeds = embeds * model.embed_scale
-        rows, values = mm_embeds
-        embeds[rows] = values.to(embeds.dtype)
-        return model(input_ids, positions, kv_caches, attn_metadata, inputs_embeds=embeds)
+        embeds = model.embed_tokens(input_ids.masked_fill(input_ids >= self.vocab_size, 0))
+        return embeds if model.embed_scale is None else embeds * model.embed_scale
 
     # -- multimodal ----------------------------------------------------------------------------
 

@@ -109,13 +109,7 @@ class InternVLForConditionalGeneration(LanguageModelDelegate, nn.Module):
                 mm_embeds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Runs one step; ``mm_embeds = (rows, embeds)`` are the image embeddings of the step's
         placeholder rows. Returns the final hidden states ``[num_tokens, hidden_size]``."""
-        model = self.language_model.model
-        if mm_embeds is None:
-            return model(input_ids, positions, kv_caches, attn_metadata)
-        embeds = model.embed_tokens(input_ids)
-        rows, values = mm_embeds
-        embeds[rows] = values.to(embeds.dtype)
-        return model(input_ids, positions, kv_caches, attn_metadata, inputs_embeds=embeds)
+        return self.run_decoder(input_ids, positions, kv_caches, attn_metadata, mm_embeds)
 
     def encode_images(self, pixel_values: torch.Tensor, grids: list[tuple[int, int, int]]) -> list[torch.Tensor]:
         """Encodes the step's tiles ``[tiles, 3, S, S]`` in one call; returns each image's

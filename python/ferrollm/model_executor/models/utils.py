@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 
 import torch
 from torch import nn
@@ -27,6 +27,19 @@ class LanguageModelDelegate:
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.language_model.compute_logits(hidden_states)
+
+    def run_decoder(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                    attn_metadata, mm_embeds: tuple[torch.Tensor, torch.Tensor] | None,
+                    embed: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+        """The decoder's step with the image embeddings ``mm_embeds = (rows, embeds)`` written over
+        the placeholder rows of the token embeddings (``embed``, default the decoder's table)."""
+        model = self.language_model.model
+        if mm_embeds is None:
+            return model(input_ids, positions, kv_caches, attn_metadata)
+        embeds = (embed or model.embed_tokens)(input_ids)
+        rows, values = mm_embeds
+        embeds[rows] = values.to(embeds.dtype)
+        return model(input_ids, positions, kv_caches, attn_metadata, inputs_embeds=embeds)
 
 
 class CausalLMInterface:
