@@ -28,7 +28,7 @@ from ferrollm.model_executor.layers.norm import GemmaRMSNorm
 from ferrollm.model_executor.models.gemma3 import Gemma3ForCausalLM
 from ferrollm.model_executor.models.qwen2_vl import TEXT_ONLY_ATTR
 from ferrollm.model_executor.models.siglip import SiglipVisionModel
-from ferrollm.model_executor.models.utils import LanguageModelDelegate
+from ferrollm.model_executor.models.utils import LanguageModelDelegate, with_engine_settings
 
 __all__ = ["Gemma3ForConditionalGeneration"]
 
@@ -70,10 +70,7 @@ class Gemma3ForConditionalGeneration(LanguageModelDelegate, nn.Module):
         super().__init__()
         self.config = config
         self.dtype = dtype
-        text = config.get_text_config()
-        for key, value in vars(config).items():
-            if key.startswith("_ferrollm_"):  # the engine's settings travel on the top-level config
-                setattr(text, key, value)
+        text = with_engine_settings(config.get_text_config(), config)
         self.language_model = Gemma3ForCausalLM(text, dtype)
         self.image_token_id = int(config.image_token_id)
         self.vocab_size = int(text.vocab_size)

@@ -31,7 +31,7 @@ from ferrollm.model_executor.models.internvl_vision import InternVisionModel
 from ferrollm.model_executor.models.llama import LlamaForCausalLM
 from ferrollm.model_executor.models.qwen2 import Qwen2ForCausalLM
 from ferrollm.model_executor.models.qwen2_vl import TEXT_ONLY_ATTR
-from ferrollm.model_executor.models.utils import LanguageModelDelegate
+from ferrollm.model_executor.models.utils import LanguageModelDelegate, with_engine_settings
 
 __all__ = ["InternVLForConditionalGeneration"]
 
@@ -81,10 +81,7 @@ class InternVLForConditionalGeneration(LanguageModelDelegate, nn.Module):
         super().__init__()
         self.config = config
         self.dtype = dtype
-        text = config.get_text_config()
-        for key, value in vars(config).items():
-            if key.startswith("_ferrollm_"):  # the engine's settings travel on the top-level config
-                setattr(text, key, value)
+        text = with_engine_settings(config.get_text_config(), config)
         cls = _TEXT_MODELS.get(text.model_type)
         if cls is None or config.vision_feature_select_strategy != "default":
             raise CheckpointError(f"InternVL's text model must be one of {sorted(_TEXT_MODELS)} with "

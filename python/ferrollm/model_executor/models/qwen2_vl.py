@@ -39,7 +39,7 @@ from ferrollm.model_executor.models.qwen2_vl_vision import (
     Qwen2_5_VisionTransformer,
     Qwen2VisionTransformer,
 )
-from ferrollm.model_executor.models.utils import LanguageModelDelegate
+from ferrollm.model_executor.models.utils import LanguageModelDelegate, with_engine_settings
 
 __all__ = ["Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration"]
 
@@ -89,11 +89,7 @@ class Qwen2VLForConditionalGeneration(LanguageModelDelegate, nn.Module):
         super().__init__()
         self.config = config
         self.dtype = dtype
-        text = _text_config(config)
-        # The engine's max_model_len travels on the top-level config; the decoder reads its own.
-        for key, value in vars(config).items():
-            if key.startswith("_ferrollm_"):
-                setattr(text, key, value)
+        text = with_engine_settings(_text_config(config), config)
         self.language_model = _MRopeQwen2(text, dtype)
         self.image_token_id = int(config.image_token_id)
         self.spatial_merge_size = int(config.vision_config.spatial_merge_size)

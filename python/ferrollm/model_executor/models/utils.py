@@ -13,6 +13,15 @@ from ferrollm.model_executor.weight_utils import default_weight_loader
 
 __all__ = ["CausalLMInterface", "layer_sliding_window", "load_weights_into"]
 
+def with_engine_settings(text_config, config):
+    """``text_config`` carrying the engine's settings (``_ferrollm_*``, e.g. max_model_len) that
+    travel on a multimodal model's top-level ``config``: its decoder reads only its own."""
+    for key, value in vars(config).items():
+        if key.startswith("_ferrollm_"):
+            setattr(text_config, key, value)
+    return text_config
+
+
 class LanguageModelDelegate:
     """The engine's model interface (see `CausalLMInterface`) of a multimodal model, answered by
     its `language_model`: the decoder owns the KV cache layout, windows and LM head."""
