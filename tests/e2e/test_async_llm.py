@@ -37,8 +37,10 @@ def test_concurrent_requests_stream_the_offline_tokens(engine, offline):
         return await asyncio.gather(*[_collect(engine, p, greedy(8, logprobs=2), f"r{i}") for i, p in enumerate(PROMPTS)])
 
     for outs, want in zip(asyncio.run(main()), offline):
-        assert len(outs) == 8  # one cumulative output per token
-        assert [len(o.outputs[0].token_ids) for o in outs] == list(range(1, 9))
+        # One cumulative output per step while the consumer keeps up; steps that finish while it
+        # is behind (a loaded machine) arrive merged, so the counts only grow, up to 8.
+        counts = [len(o.outputs[0].token_ids) for o in outs]
+        assert counts == sorted(set(counts)) and counts[-1] == 8
         last = outs[-1]
         assert last.finished and not any(o.finished for o in outs[:-1])
         assert last.outputs[0].token_ids == want.outputs[0].token_ids
