@@ -1,12 +1,13 @@
 # The contract of the native module `ferrollm._core` (rust/bindings). Every verb that crosses the
 # Rust/Python boundary is listed here; `make test` runs mypy.stubtest so stub and module agree.
 import os
-from typing import final
+from typing import Any, final
 
 import numpy as np
 import numpy.typing as npt
 
 __all__ = [
+    "CpuDecoder",
     "EngineCore",
     "EngineCoreOutput",
     "MultiModalCache",
@@ -267,6 +268,40 @@ class MultiModalCache:
     def put(self, key: str, data: bytes, metadata: str) -> bool: ...
     def clear(self) -> None: ...
     def stats(self) -> dict[str, int]: ...
+
+@final
+class CpuDecoder:
+    """A model's decoder layers for one-call decode steps (`ferrollm.kernels.cpu.decoder`): the
+    weights' addresses, kept by the caller alive as long as this object."""
+
+    def __new__(
+        cls,
+        hidden: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        rotary_dim: int,
+        intermediate: int,
+        eps: float,
+        scale: float,
+        layers: list[tuple[_Buffer, _Buffer, tuple[Any, ...], _Buffer | None, tuple[Any, ...], tuple[Any, ...],
+                           tuple[Any, ...]]],
+    ) -> CpuDecoder: ...
+    def __len__(self) -> int: ...
+    def run(
+        self,
+        hidden: _Buffer,
+        residual: _Buffer,
+        positions: _Buffer,
+        slot_mapping: _Buffer,
+        block_tables: _Buffer,
+        max_blocks_per_seq: int,
+        seq_lens: _Buffer,
+        block_size: int,
+        cos_sin: _Buffer,
+        caches: list[tuple[_Buffer, _Buffer]],
+        threads: int,
+    ) -> None: ...
 
 @final
 class StepBroadcaster:

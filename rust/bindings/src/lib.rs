@@ -5,6 +5,7 @@
 mod broadcast;
 mod buffers;
 mod cpu_kernels;
+mod decoder;
 mod engine;
 mod errors;
 mod gemm_bf16;
@@ -28,6 +29,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<broadcast::PyStepBroadcaster>()?;
     m.add_class::<broadcast::PyStepReceiver>()?;
     m.add_class::<mm_cache::PyMultiModalCache>()?;
+    m.add_class::<decoder::PyCpuDecoder>()?;
     m.add_function(wrap_pyfunction!(cpu_kernels::cpu_openmp_attach, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_kernels::cpu_gemv, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_kernels::cpu_gemm_pack, m)?)?;

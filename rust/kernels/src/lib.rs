@@ -23,6 +23,10 @@
 //!   the dense quantized formats (weight-only int4/int8, W8A8 int8, fp8), which compute from
 //!   the packed weights.
 //!
+//! - [`decoder`]: a decode step through a whole stack of Llama-shaped layers in one call, the
+//!   kernels above back to back, so a batch-1 step on quantized weights does not spend half its
+//!   time in the Python glue between them.
+//!
 //! The kernels split rows over the OpenMP team of the process they live in ([`openmp`]), the
 //! same threads torch runs its ops on, instead of a pool of their own: two pools on the same cores
 //! take turns spinning, and the kernels lose more than they gain.
@@ -34,6 +38,7 @@
 pub mod activation;
 pub mod attention;
 pub mod cache;
+pub mod decoder;
 mod element;
 mod error;
 pub mod gemm;

@@ -22,6 +22,7 @@ from transformers import PretrainedConfig
 
 from ferrollm.attention.backend import AttentionMetadata
 from ferrollm.attention.layer import Attention
+from ferrollm.kernels.cpu.decoder import CpuDecoder, build_cpu_decoder
 from ferrollm.model_executor.layers.activation import SiluAndMul, get_act_and_mul
 from ferrollm.model_executor.layers.cpu_gemm import MLP_SLAB_ROWS, row_slabs
 from ferrollm.model_executor.layers.linear import (
@@ -179,11 +180,31 @@ class LlamaModel(nn.Module):
             hidden_states = self.embed_tokens(input_ids)
             if self.embed_scale is not None:
                 hidden_states = hidden_states * self.embed_scale
-        residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            hidden_states, residual = layer(positions, hidden_states, residual, kv_cache, attn_metadata)
+        decoder = self._cpu_decoder_for(hidden_states, kv_caches, attn_metadata)
+        if decoder is not None:
+            hidden_states, residual = decoder.run(hidden_states, positions, kv_caches, attn_metadata)
+        else:
+            residual = None
+            for layer, kv_cache in zip(self.layers, kv_caches):
+                hidden_states, residual = layer(positions, hidden_states, residual, kv_cache, attn_metadata)
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
+
+    # The one-call CPU decoder (`kernels.cpu.decoder`), built at the first CPU decode step: False
+    # until then, None where the layers need the layer path.
+    _cpu_decoder: CpuDecoder | None | bool = False
+
+    def _cpu_decoder_for(self, hidden_states: torch.Tensor, kv_caches: list[torch.Tensor],
+                         attn_metadata: AttentionMetadata) -> CpuDecoder | None:
+        """The one-call decoder where this step can take it: a decode-only CPU step without images."""
+        if not (hidden_states.is_cpu and attn_metadata.is_decode_only and not attn_metadata.image_spans):
+            return None
+        if self._cpu_decoder is False:
+            self._cpu_decoder = build_cpu_decoder(self)
+        decoder = self._cpu_decoder
+        if isinstance(decoder, CpuDecoder) and decoder.takes(hidden_states, kv_caches):
+            return decoder
+        return None
 
 
 class LlamaForCausalLM(CausalLMInterface, nn.Module):

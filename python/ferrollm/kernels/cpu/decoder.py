@@ -1,0 +1,178 @@
+"""Decode steps through a whole Llama-shaped decoder stack in one Rust call
+(``rust/kernels/src/decoder.rs``).
+
+The layer-by-layer path calls a kernel per op from Python (~10 per layer). On quantized weights at
+batch 1 the kernels' work is small, and that glue took about half of a step (SmolLM2-135M Q4_1,
+2 threads); the OpenMP team also fell asleep between kernels, so every product paid a wake-up.
+:func:`build_cpu_decoder` describes the model's layers to the Rust core once, at the first decode
+step; each decode step then runs every layer in one call, with the same kernels in the same order,
+so the outputs are the layer path's bit for bit.
+
+It takes pre-norm Llama-shaped layers as `LlamaDecoderLayer` builds them (Llama, Mistral, Qwen2
+and the GGUF files of those): RMSNorm, NeoX rotary, no sliding window or soft-capping, no q/k
+norms, SiLU-gated MLP, no residual scaling; float32 activations and KV cache; one tensor-parallel
+rank; every linear layer quantized in a form the CPU kernels compute from (GGUF blocks,
+weight-only int4/int8 without act order, W8A8 int8). Anything else, and
+``FERROLLM_CPU_FUSED_DECODE=0``, keeps the layer path; the log says which once.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+from torch import nn
+
+from ferrollm import _core
+from ferrollm.kernels.cpu import _buf, _threads, supports
+
+__all__ = ["CpuDecoder", "build_cpu_decoder"]
+
+logger = logging.getLogger(__name__)
+
+
+class CpuDecoder:
+    """A model's decoder layers on the Rust side, and the tensors they read kept alive."""
+
+    def __init__(self, core: _core.CpuDecoder, held: list[torch.Tensor], cos_sin: torch.Tensor, hidden: int):
+        self._core = core
+        self._held = held  # every tensor `core` reads by address
+        self._cos_sin = cos_sin
+        self._hidden = hidden
+        self._caches: tuple[list[torch.Tensor], list[tuple[tuple[int, int], tuple[int, int]]]] | None = None
+
+    def takes(self, hidden_states: torch.Tensor, kv_caches: list[torch.Tensor]) -> bool:
+        """Whether a decode step with these activations and caches can run here."""
+        if hidden_states.dtype != torch.float32 or hidden_states.dim() != 2:
+            return False
+        return self._cache_buffers(kv_caches) is not None
+
+    def run(self, hidden_states: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+            attn_metadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every layer for a decode-only step: ``(hidden, residual)`` of the last layer, for the
+        model's final norm. ``hidden_states`` (the embeddings) is left as it was."""
+        caches = self._cache_buffers(kv_caches)
+        assert caches is not None, "call only where `takes` holds"
+        hidden = hidden_states.clone(memory_format=torch.contiguous_format)
+        residual = torch.empty_like(hidden)
+        positions = positions.to(torch.int64).contiguous()
+        slots = attn_metadata.slot_mapping.to(torch.int64).contiguous()
+        tables = attn_metadata.block_tables.to(torch.int32).contiguous()
+        lens = attn_metadata.seq_lens.to(torch.int32).contiguous()
+        # Every tensor passed by address stays referenced here until the call returns.
+        self._core.run(_buf(hidden), _buf(residual), _buf(positions), _buf(slots), _buf(tables), tables.shape[1],
+                       _buf(lens), attn_metadata.block_size, _buf(self._cos_sin), caches, _threads())
+        return hidden, residual
+
+    def _cache_buffers(self, kv_caches: list[torch.Tensor]):
+        # The engine hands the same cache tensors every step: their addresses are looked up once.
+        if self._caches is not None and self._caches[0] is kv_caches:
+            return self._caches[1]
+        if len(kv_caches) != len(self._core) or not all(
+                c.dtype == torch.float32 and c.is_cpu and c.is_contiguous() for c in kv_caches):
+            return None
+        buffers = [(_buf(c[0]), _buf(c[1])) for c in kv_caches]
+        self._caches = (kv_caches, buffers)
+        return buffers
+
+
+def build_cpu_decoder(model: nn.Module) -> CpuDecoder | None:
+    """The one-call decoder for ``model`` (a `LlamaModel`), or None where its layers need the
+    layer path (the reason is logged once)."""
+    reason = _refusal(model)
+    if reason is not None:
+        logger.info("one-call CPU decode off: %s", reason)
+        return None
+    layers = list(model.layers)
+    attn = layers[0].self_attn
+    held: list[torch.Tensor] = []
+    specs = [_layer_spec(layer, held) for layer in layers]
+    rope = attn.rotary_emb
+    core = _core.CpuDecoder(model.norm.weight.shape[0], attn.attn.num_heads, attn.attn.num_kv_heads, attn.head_dim,
+                            rope.rotary_dim, layers[0].mlp.down_proj.input_size_per_partition,
+                            float(layers[0].input_layernorm.variance_epsilon), float(attn.attn.scale), specs)
+    logger.info("one-call CPU decode on: %d layers, weights as %s", len(layers),
+                sorted({layer.self_attn.qkv_proj._cpu.kind for layer in layers}))
+    return CpuDecoder(core, held, rope.cos_sin_cache, model.norm.weight.shape[0])
+
+
+def _refusal(model: nn.Module) -> str | None:
+    """Why the layer path must run ``model``'s layers, or None."""
+    from ferrollm.model_executor.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
+
+    if os.environ.get("FERROLLM_CPU_FUSED_DECODE", "1") == "0":
+        return "FERROLLM_CPU_FUSED_DECODE=0"
+    layers = list(getattr(model, "layers", []))
+    if not layers:
+        return "no decoder layers"
+    for layer in layers:
+        if type(layer) is not LlamaDecoderLayer or type(layer.self_attn) is not LlamaAttention \
+                or type(layer.mlp) is not LlamaMLP:
+            return f"{type(layer).__name__} is not a plain Llama decoder layer"
+        reason = _layer_refusal(layer)
+        if reason is not None:
+            return reason
+    return None
+
+
+def _layer_refusal(layer: nn.Module) -> str | None:
+    from ferrollm.model_executor.layers.activation import SiluAndMul
+    from ferrollm.model_executor.layers.norm import RMSNorm
+
+    attn, mlp = layer.self_attn, layer.mlp
+    norms = (layer.input_layernorm, layer.post_attention_layernorm)
+    if layer.residual_multiplier != 1.0 or attn.qk_norm or attn.attn.sliding_window is not None \
+            or attn.attn.logits_soft_cap is not None:
+        return "residual scaling, q/k norms, a sliding window or soft-capping"
+    if any(type(n) is not RMSNorm or n._gemma or not supports(n.weight) or n.weight.dtype != torch.float32
+           for n in norms):
+        return "norms other than float32 RMSNorm"
+    if not isinstance(mlp.act_fn, SiluAndMul):
+        return "an MLP activation other than SiLU"
+    rope = attn.rotary_emb
+    if not rope.is_neox_style or rope.cos_sin_cache.dtype != torch.float32 or not rope.cos_sin_cache.is_cpu:
+        return "a rotary embedding other than NeoX style in float32"
+    for proj in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+        if proj.tp_size != 1:
+            return "tensor parallelism"
+        if _linear_spec(proj, []) is None:
+            return f"a {type(proj._cpu).__name__} weight ({proj.extra_repr()}) the one-call path does not take"
+        if proj.bias is not None and (proj is not attn.qkv_proj or proj.bias.dtype != torch.float32):
+            return "biases other than float32 q/k/v biases"
+    return None
+
+
+def _layer_spec(layer: nn.Module, held: list[torch.Tensor]) -> tuple:
+    attn, mlp = layer.self_attn, layer.mlp
+    norms = [layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach()]
+    bias = None if attn.qkv_proj.bias is None else attn.qkv_proj.bias.detach().contiguous()
+    held += norms + ([] if bias is None else [bias])
+    return (_buf(norms[0]), _buf(norms[1]), _linear_spec(attn.qkv_proj, held), None if bias is None else _buf(bias),
+            _linear_spec(attn.o_proj, held), _linear_spec(mlp.gate_up_proj, held), _linear_spec(mlp.down_proj, held))
+
+
+def _linear_spec(proj: nn.Module, held: list[torch.Tensor]) -> tuple | None:
+    """The Rust description of ``proj``'s weight (see ``rust/bindings/src/decoder.rs``), or None
+    for a form the one-call path does not take; its tensors are added to ``held``."""
+    from ferrollm.kernels.cpu.gguf import _weight_buffer
+    from ferrollm.model_executor.layers.quantization import qweights as qw
+    from ferrollm.model_executor.layers.quantization.forms import QuantizedLinear
+
+    form = proj._cpu
+    if not isinstance(form, QuantizedLinear) or not form.on_cpu:
+        return None
+    if form.kind == "gguf":
+        held += [data for data, _ in form.segments]
+        return ("gguf", form.in_features, [_weight_buffer(d, t, form.in_features) for d, t in form.segments])
+    w = form.source
+    if isinstance(w, qw.IntWeight) and w.perm is None:
+        held += [form.packed, w.scales] + ([] if w.mins is None else [w.mins])
+        return ("wq", w.bits, _buf(form.packed), _buf(w.scales), None if w.mins is None else _buf(w.mins),
+                form.out_features, form.in_features, w.group_size)
+    if isinstance(w, qw.Int8ActWeight) and w.scale.dtype == torch.float32 and w.scale.is_contiguous():
+        held += [form.packed, w.scale]
+        scale = None if w.input_scale is None else float(w.input_scale)
+        return ("w8a8", _buf(form.packed), _buf(w.scale), scale, int(w.input_zero_point), form.out_features,
+                form.in_features)
+    return None

@@ -1,0 +1,230 @@
+//! `CpuDecoder`: a model's decoder layers for `ferrollm_kernels::decoder::decode_layers`, built
+//! once at load from the weights' addresses, then run once per decode step.
+//!
+//! Buffers cross as `(data_ptr, numel)` pairs, as in `cpu_kernels`. The one caller,
+//! `ferrollm.kernels.cpu.decoder`, keeps every weight it described referenced for as long as
+//! this object lives, and passes each step's tensors (contiguous, of the dtypes named below) for
+//! the duration of `run`. A linear layer is described by a tuple whose first item names its form:
+//!
+//! - `("gguf", in_features, [(ggml_type, weight, row_stride, out_features), ...])`: stacked
+//!   GGUF blocks, as `cpu_gguf_linear` takes them;
+//! - `("wq", bits, qweight, scales, mins | None, out_features, in_features, group_size)`: as
+//!   `cpu_wq_linear`;
+//! - `("w8a8", packed, weight_scale, input_scale | None, input_zero_point, out_features,
+//!   in_features)`: as `cpu_w8a8_linear`.
+
+use ferrollm_kernels::decoder::{decode_layers, DecodeStep, DecoderLayer, DecoderShape, LayerCache, Linear};
+use ferrollm_kernels::quant::w8a8::{ActQuant, W8a8Weight};
+use ferrollm_kernels::quant::wq::{QWeight, WqWeight};
+use ferrollm_kernels::quant::{GgmlType, QuantWeight};
+use pyo3::prelude::*;
+use pyo3::types::PyTuple;
+
+use crate::buffers::{view, view_mut, Buffer};
+use crate::errors::{kernel_error, raise};
+
+/// A linear layer's form and where its tensors are.
+#[derive(Clone)]
+enum LinearSpec {
+    Gguf { in_features: usize, weights: Vec<(GgmlType, Buffer, usize, usize)> },
+    Wq { bits: u32, q: Buffer, scales: Buffer, mins: Option<Buffer>, out: usize, inp: usize, group: usize },
+    W8a8 { packed: Buffer, scale: Buffer, act: ActQuant, out: usize, inp: usize },
+}
+
+impl LinearSpec {
+    fn parse(spec: &Bound<'_, PyTuple>) -> PyResult<Self> {
+        let form: String = spec.get_item(0)?.extract()?;
+        let rest = spec.get_slice(1, spec.len());
+        Ok(match form.as_str() {
+            "gguf" => {
+                let (in_features, raw): (usize, Vec<(u32, Buffer, usize, usize)>) = rest.extract()?;
+                let mut weights = Vec::with_capacity(raw.len());
+                for (id, data, stride, out) in raw {
+                    let Some(t) = GgmlType::from_id(id) else {
+                        return Err(raise("KernelError", format!("GGML type {id} has no block product")));
+                    };
+                    weights.push((t, data, stride, out));
+                }
+                LinearSpec::Gguf { in_features, weights }
+            }
+            "wq" => {
+                let (bits, q, scales, mins, out, inp, group) = rest.extract()?;
+                if bits != 4 && bits != 8 {
+                    return Err(raise("KernelError", format!("`bits` must be 4 or 8. Given: {bits}")));
+                }
+                LinearSpec::Wq { bits, q, scales, mins, out, inp, group }
+            }
+            "w8a8" => {
+                let (packed, scale, input_scale, zero_point, out, inp): (_, _, Option<f32>, i32, _, _) =
+                    rest.extract()?;
+                let act =
+                    input_scale.map_or(ActQuant::Dynamic, |scale| ActQuant::Static { scale, zero_point });
+                LinearSpec::W8a8 { packed, scale, act, out, inp }
+            }
+            other => {
+                let msg = format!("a linear layer's form must be 'gguf', 'wq' or 'w8a8'. Given: '{other}'");
+                return Err(raise("KernelError", msg));
+            }
+        })
+    }
+
+    /// # Safety
+    /// The buffers must still be live (see the module doc).
+    unsafe fn linear(&self) -> Linear<'_> {
+        match *self {
+            LinearSpec::Gguf { in_features, ref weights } => Linear::Gguf(
+                weights
+                    .iter()
+                    .map(|&(ggml_type, data, row_stride, out_features)| QuantWeight {
+                        ggml_type,
+                        data: view::<u8>(data),
+                        row_stride,
+                        out_features,
+                        in_features,
+                    })
+                    .collect(),
+            ),
+            LinearSpec::Wq { bits, q, scales, mins, out, inp, group } => {
+                let q = if bits == 4 { QWeight::Int4(view::<u8>(q)) } else { QWeight::Int8(view::<i8>(q)) };
+                let weight = WqWeight { q, scales: view(scales), mins: mins.map(|m| view(m)) };
+                Linear::Wq { weight, out_features: out, in_features: inp, group_size: group }
+            }
+            LinearSpec::W8a8 { packed, scale, act, out, inp } => {
+                let weight = W8a8Weight { packed: view(packed), weight_scale: view(scale) };
+                Linear::W8a8 { weight, act, out_features: out, in_features: inp }
+            }
+        }
+    }
+}
+
+#[derive(Clone)]
+struct LayerSpec {
+    input_norm: Buffer,
+    post_attention_norm: Buffer,
+    qkv: LinearSpec,
+    qkv_bias: Option<Buffer>,
+    o: LinearSpec,
+    gate_up: LinearSpec,
+    down: LinearSpec,
+}
+
+type LayerArgs<'py> = (
+    Buffer,
+    Buffer,
+    Bound<'py, PyTuple>,
+    Option<Buffer>,
+    Bound<'py, PyTuple>,
+    Bound<'py, PyTuple>,
+    Bound<'py, PyTuple>,
+);
+
+#[pyclass(name = "CpuDecoder", module = "ferrollm._core", frozen)]
+pub struct PyCpuDecoder {
+    shape: DecoderShape,
+    layers: Vec<LayerSpec>,
+}
+
+#[pymethods]
+impl PyCpuDecoder {
+    /// `layers`: per layer `(input_norm, post_attention_norm, qkv, qkv_bias | None, o, gate_up,
+    /// down)`, norms and bias float32, the linear layers as the module doc describes.
+    #[new]
+    #[pyo3(signature = (hidden, num_heads, num_kv_heads, head_dim, rotary_dim, intermediate, eps, scale, layers))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        hidden: usize,
+        num_heads: usize,
+        num_kv_heads: usize,
+        head_dim: usize,
+        rotary_dim: usize,
+        intermediate: usize,
+        eps: f32,
+        scale: f32,
+        layers: Vec<LayerArgs<'_>>,
+    ) -> PyResult<Self> {
+        let shape =
+            DecoderShape { hidden, num_heads, num_kv_heads, head_dim, rotary_dim, intermediate, eps, scale };
+        let layers = layers
+            .into_iter()
+            .map(|(input_norm, post_attention_norm, qkv, qkv_bias, o, gate_up, down)| {
+                Ok(LayerSpec {
+                    input_norm,
+                    post_attention_norm,
+                    qkv: LinearSpec::parse(&qkv)?,
+                    qkv_bias,
+                    o: LinearSpec::parse(&o)?,
+                    gate_up: LinearSpec::parse(&gate_up)?,
+                    down: LinearSpec::parse(&down)?,
+                })
+            })
+            .collect::<PyResult<_>>()?;
+        Ok(Self { shape, layers })
+    }
+
+    /// The number of layers.
+    fn __len__(&self) -> usize {
+        self.layers.len()
+    }
+
+    /// One decode step (see `decode_layers`): `hidden` (float32 `[rows, hidden]`, the
+    /// embeddings, overwritten with the last layer's output), `residual` (float32, written),
+    /// `positions` and `slot_mapping` int64 `[rows]`, `block_tables` int32 `[rows,
+    /// max_blocks_per_seq]`, `seq_lens` int32 `[rows]`, `cos_sin` float32, and each layer's
+    /// `(key_cache, value_cache)` float32.
+    #[pyo3(signature = (hidden, residual, positions, slot_mapping, block_tables, max_blocks_per_seq, seq_lens, block_size, cos_sin, caches, threads))]
+    #[allow(clippy::too_many_arguments)]
+    fn run(
+        &self,
+        py: Python<'_>,
+        hidden: Buffer,
+        residual: Buffer,
+        positions: Buffer,
+        slot_mapping: Buffer,
+        block_tables: Buffer,
+        max_blocks_per_seq: usize,
+        seq_lens: Buffer,
+        block_size: usize,
+        cos_sin: Buffer,
+        caches: Vec<(Buffer, Buffer)>,
+        threads: usize,
+    ) -> PyResult<()> {
+        // SAFETY: the weights are live while `self` is (the caller's promise, see the module
+        // doc); the step's buffers for this call. `hidden`, `residual` and the caches are
+        // distinct tensors that nothing else reads or writes meanwhile.
+        unsafe {
+            let layers: Vec<DecoderLayer<'_>> = self.layers.iter().map(|l| l.layer()).collect();
+            let mut caches: Vec<LayerCache<'_>> = caches
+                .into_iter()
+                .map(|(k, v)| LayerCache { key: view_mut(k), value: view_mut(v) })
+                .collect();
+            let step = DecodeStep {
+                positions: view(positions),
+                slot_mapping: view(slot_mapping),
+                block_tables: view(block_tables),
+                max_blocks_per_seq,
+                seq_lens: view(seq_lens),
+                block_size,
+                cos_sin: view(cos_sin),
+            };
+            let (hidden, residual) = (view_mut::<f32>(hidden), view_mut::<f32>(residual));
+            py.detach(|| decode_layers(&layers, &mut caches, self.shape, step, hidden, residual, threads))
+                .map_err(kernel_error)
+        }
+    }
+}
+
+impl LayerSpec {
+    /// # Safety
+    /// As [`LinearSpec::linear`].
+    unsafe fn layer(&self) -> DecoderLayer<'_> {
+        DecoderLayer {
+            input_norm: view(self.input_norm),
+            post_attention_norm: view(self.post_attention_norm),
+            qkv: self.qkv.linear(),
+            qkv_bias: self.qkv_bias.map(|b| view(b)),
+            o: self.o.linear(),
+            gate_up: self.gate_up.linear(),
+            down: self.down.linear(),
+        }
+    }
+}

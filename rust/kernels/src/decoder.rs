@@ -1,0 +1,326 @@
+//! A decode step through a whole stack of Llama-shaped decoder layers in one call.
+//!
+//! The model runner's layer-by-layer path calls a kernel per op from Python: ~10 calls per layer,
+//! each with its argument checks, tensor allocations and torch dispatch around it. At batch 1 on
+//! quantized weights the kernels' own work is small enough that this glue was half of a step
+//! (SmolLM2-135M Q4_1: ~47% of a decode step outside the kernels, 2 threads), and the OpenMP team
+//! fell asleep between kernels, so each product also paid a wake-up. Here the same kernels run
+//! back to back, in the same order and with the same arguments, so the result is the layer path's
+//! bit for bit.
+//!
+//! One layer, for `rows` tokens each at the end of its request (pre-norm Llama: Llama, Mistral,
+//! Qwen2 with its q/k/v biases):
+//!
+//! ```text
+//! x = rms_norm(hidden + residual)           (the first layer: residual = hidden)
+//! qkv = x · W_qkvᵀ + b ; q, k = rotary(q, k) ; cache[slot] = k, v
+//! hidden = attention(q, cache) · W_oᵀ
+//! x = rms_norm(hidden + residual)
+//! hidden = (silu(x · W_gateᵀ) * (x · W_upᵀ)) · W_downᵀ
+//! ```
+//!
+//! The linear layers take any of the weight forms the CPU kernels compute from ([`Linear`]).
+//! Activations are f32. Scratch space is allocated once per call, a few rows wide.
+
+use crate::activation::silu_and_mul;
+use crate::attention::{paged_decode, DecodeInputs, DecodeOptions, DecodeShape, KvScales};
+use crate::cache::{write_kv, CacheWriteShape};
+use crate::error::{check_len, KernelError};
+use crate::norm::{fused_add_rms_norm, rms_norm, RmsNormWeight};
+use crate::quant::matmul::{matmul_stacked, QuantWeight};
+use crate::quant::w8a8::{w8a8_linear, ActQuant, W8a8Shape, W8a8Weight};
+use crate::quant::wq::{wq_linear, WqShape, WqWeight};
+use crate::rotary::{rotate_neox, RotaryShape};
+
+/// A linear layer's weight `[out_features, in_features]` in one of the CPU kernels' forms.
+#[derive(Clone, Debug)]
+pub enum Linear<'a> {
+    /// GGUF blocks, several tensors stacked along the output features (q, k, v; gate, up).
+    Gguf(Vec<QuantWeight<'a>>),
+    /// Weight-only int4/int8 with group scales (GPTQ, AWQ, compressed-tensors W4A16/W8A16).
+    Wq { weight: WqWeight<'a>, out_features: usize, in_features: usize, group_size: usize },
+    /// int8 weights times int8 activations (compressed-tensors W8A8, `quantization="int8"`).
+    W8a8 { weight: W8a8Weight<'a>, act: ActQuant, out_features: usize, in_features: usize },
+}
+
+impl Linear<'_> {
+    pub fn out_features(&self) -> usize {
+        match self {
+            Linear::Gguf(weights) => weights.iter().map(|w| w.out_features).sum(),
+            Linear::Wq { out_features, .. } | Linear::W8a8 { out_features, .. } => *out_features,
+        }
+    }
+
+    pub fn in_features(&self) -> usize {
+        match self {
+            Linear::Gguf(weights) => weights.first().map_or(0, |w| w.in_features),
+            Linear::Wq { in_features, .. } | Linear::W8a8 { in_features, .. } => *in_features,
+        }
+    }
+
+    /// `out = x · Wᵀ + bias` for `rows` rows.
+    pub fn forward(
+        &self,
+        x: &[f32],
+        rows: usize,
+        bias: Option<&[f32]>,
+        out: &mut [f32],
+        threads: usize,
+    ) -> Result<(), KernelError> {
+        match *self {
+            Linear::Gguf(ref weights) => matmul_stacked(weights, x, rows, bias, out, threads),
+            Linear::Wq { weight, out_features, in_features, group_size } => {
+                let shape = WqShape { rows, out_features, in_features, group_size };
+                wq_linear(x, weight, bias, out, shape, threads)
+            }
+            Linear::W8a8 { weight, act, out_features, in_features } => {
+                let shape = W8a8Shape { rows, out_features, in_features };
+                w8a8_linear(x, weight, bias, act, out, shape, threads)
+            }
+        }
+    }
+}
+
+/// One decoder layer's weights.
+#[derive(Clone, Debug)]
+pub struct DecoderLayer<'a> {
+    /// `[hidden]`, before attention.
+    pub input_norm: &'a [f32],
+    /// `[hidden]`, before the MLP.
+    pub post_attention_norm: &'a [f32],
+    /// q, k and v side by side: `[(num_heads + 2 num_kv_heads) head_dim, hidden]`.
+    pub qkv: Linear<'a>,
+    pub qkv_bias: Option<&'a [f32]>,
+    /// `[hidden, num_heads head_dim]`.
+    pub o: Linear<'a>,
+    /// gate and up side by side: `[2 intermediate, hidden]`.
+    pub gate_up: Linear<'a>,
+    /// `[hidden, intermediate]`.
+    pub down: Linear<'a>,
+}
+
+/// Sizes and settings every layer shares.
+#[derive(Clone, Copy, Debug)]
+pub struct DecoderShape {
+    pub hidden: usize,
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    /// Leading elements of each head that rotate (NeoX style).
+    pub rotary_dim: usize,
+    pub intermediate: usize,
+    /// The norms' epsilon.
+    pub eps: f32,
+    /// Multiplier of `q · k`.
+    pub scale: f32,
+}
+
+impl DecoderShape {
+    fn q_size(&self) -> usize {
+        self.num_heads * self.head_dim
+    }
+
+    fn kv_size(&self) -> usize {
+        self.num_kv_heads * self.head_dim
+    }
+
+    fn qkv_size(&self) -> usize {
+        self.q_size() + 2 * self.kv_size()
+    }
+}
+
+/// One layer's paged KV cache, `[num_blocks, block_size, num_kv_heads, head_dim]` each.
+pub struct LayerCache<'a> {
+    pub key: &'a mut [f32],
+    pub value: &'a mut [f32],
+}
+
+/// The step: one token per row, at the end of its request.
+#[derive(Clone, Copy, Debug)]
+pub struct DecodeStep<'a> {
+    /// `[rows]` positions of the tokens.
+    pub positions: &'a [i64],
+    /// `[rows]` cache slots the tokens' keys and values go to.
+    pub slot_mapping: &'a [i64],
+    /// `[rows, max_blocks_per_seq]`.
+    pub block_tables: &'a [i32],
+    pub max_blocks_per_seq: usize,
+    /// `[rows]` context lengths, the new token included.
+    pub seq_lens: &'a [i32],
+    /// Tokens per KV block.
+    pub block_size: usize,
+    /// `[max_position, rotary_dim]`: cosines, then sines.
+    pub cos_sin: &'a [f32],
+}
+
+/// Runs `layers` over `hidden` (`[rows, hidden]`, the embeddings), leaving the last layer's
+/// output in `hidden` and the residual stream in `residual` (the model's final norm adds them).
+/// Every layer's weights and cache are checked before any cache is written.
+pub fn decode_layers(
+    layers: &[DecoderLayer<'_>],
+    caches: &mut [LayerCache<'_>],
+    shape: DecoderShape,
+    step: DecodeStep<'_>,
+    hidden: &mut [f32],
+    residual: &mut [f32],
+    threads: usize,
+) -> Result<(), KernelError> {
+    let rows = step.positions.len();
+    check(layers, caches, &shape, &step, hidden.len(), residual.len())?;
+    if rows == 0 {
+        return Ok(());
+    }
+    let mut scratch = Scratch::new(rows, &shape);
+    for (i, (layer, cache)) in layers.iter().zip(caches.iter_mut()).enumerate() {
+        let input_norm = RmsNormWeight { weight: layer.input_norm, eps: shape.eps, gemma: false };
+        if i == 0 {
+            residual.copy_from_slice(hidden);
+            rms_norm(hidden, input_norm, &mut scratch.normed, threads)?;
+        } else {
+            add_norm(hidden, residual, input_norm, &mut scratch, threads)?;
+        }
+        attention(layer, cache, &shape, &step, &mut scratch, threads)?;
+        layer.o.forward(&scratch.attn, rows, None, hidden, threads)?;
+        let post_norm = RmsNormWeight { weight: layer.post_attention_norm, eps: shape.eps, gemma: false };
+        add_norm(hidden, residual, post_norm, &mut scratch, threads)?;
+        layer.gate_up.forward(&scratch.normed, rows, None, &mut scratch.gate_up, threads)?;
+        silu_and_mul(&scratch.gate_up, shape.intermediate, &mut scratch.act, threads)?;
+        layer.down.forward(&scratch.act, rows, None, hidden, threads)?;
+    }
+    Ok(())
+}
+
+/// Per-call buffers, each `rows` rows wide.
+struct Scratch {
+    normed: Vec<f32>,
+    residual: Vec<f32>,
+    qkv: Vec<f32>,
+    q: Vec<f32>,
+    k: Vec<f32>,
+    attn: Vec<f32>,
+    gate_up: Vec<f32>,
+    act: Vec<f32>,
+}
+
+impl Scratch {
+    fn new(rows: usize, s: &DecoderShape) -> Self {
+        let zeros = |width: usize| vec![0.0f32; rows * width];
+        Scratch {
+            normed: zeros(s.hidden),
+            residual: zeros(s.hidden),
+            qkv: zeros(s.qkv_size()),
+            q: zeros(s.q_size()),
+            k: zeros(s.kv_size()),
+            attn: zeros(s.q_size()),
+            gate_up: zeros(2 * s.intermediate),
+            act: zeros(s.intermediate),
+        }
+    }
+}
+
+/// `residual += hidden; scratch.normed = norm(residual)`.
+fn add_norm(
+    hidden: &[f32],
+    residual: &mut [f32],
+    norm: RmsNormWeight<'_, f32>,
+    scratch: &mut Scratch,
+    threads: usize,
+) -> Result<(), KernelError> {
+    fused_add_rms_norm(hidden, residual, norm, &mut scratch.normed, &mut scratch.residual, threads)?;
+    residual.copy_from_slice(&scratch.residual);
+    Ok(())
+}
+
+/// `scratch.attn = attention(rotary(q), cache)` from `scratch.normed`, the keys and values
+/// written to the cache first.
+fn attention(
+    layer: &DecoderLayer<'_>,
+    cache: &mut LayerCache<'_>,
+    s: &DecoderShape,
+    step: &DecodeStep<'_>,
+    scratch: &mut Scratch,
+    threads: usize,
+) -> Result<(), KernelError> {
+    let rows = step.positions.len();
+    let (q_size, kv_size, width) = (s.q_size(), s.kv_size(), s.qkv_size());
+    layer.qkv.forward(&scratch.normed, rows, layer.qkv_bias, &mut scratch.qkv, threads)?;
+    let rotary = |heads| RotaryShape {
+        rows,
+        row_stride: width,
+        heads,
+        head_size: s.head_dim,
+        rotary_dim: s.rotary_dim,
+    };
+    // Rows `width` apart from `offset` on, the last one ending after its `len` elements.
+    let strided = |offset: usize, len: usize| &scratch.qkv[offset..][..(rows - 1) * width + len];
+    let (q, k, v) = (strided(0, q_size), strided(q_size, kv_size), strided(q_size + kv_size, kv_size));
+    rotate_neox(q, step.positions, step.cos_sin, &mut scratch.q, rotary(s.num_heads), threads)?;
+    rotate_neox(k, step.positions, step.cos_sin, &mut scratch.k, rotary(s.num_kv_heads), threads)?;
+    let write = CacheWriteShape { tokens: rows, width: kv_size, key_stride: kv_size, value_stride: width };
+    write_kv(&scratch.k, v, step.slot_mapping, cache.key, cache.value, write)?;
+    let inputs = DecodeInputs {
+        query: &scratch.q,
+        key_cache: cache.key,
+        value_cache: cache.value,
+        scales: KvScales { key: 1.0, value: 1.0 },
+        block_tables: step.block_tables,
+        seq_lens: step.seq_lens,
+    };
+    let shape = DecodeShape {
+        num_heads: s.num_heads,
+        num_kv_heads: s.num_kv_heads,
+        head_dim: s.head_dim,
+        block_size: step.block_size,
+        max_blocks_per_seq: step.max_blocks_per_seq,
+    };
+    let options = DecodeOptions { scale: s.scale, sliding_window: None, soft_cap: None };
+    paged_decode(inputs, shape, options, &mut scratch.attn, threads)
+}
+
+/// The sizes that the kernels would only find wrong halfway through the stack.
+fn check(
+    layers: &[DecoderLayer<'_>],
+    caches: &[LayerCache<'_>],
+    s: &DecoderShape,
+    step: &DecodeStep<'_>,
+    hidden_len: usize,
+    residual_len: usize,
+) -> Result<(), KernelError> {
+    let rows = step.positions.len();
+    check_len("caches", caches.len(), layers.len())?;
+    check_len("hidden", hidden_len, rows * s.hidden)?;
+    check_len("residual", residual_len, rows * s.hidden)?;
+    check_len("slot_mapping", step.slot_mapping.len(), rows)?;
+    check_len("seq_lens", step.seq_lens.len(), rows)?;
+    if s.rotary_dim > s.head_dim || !s.rotary_dim.is_multiple_of(2) {
+        let limit = format!("even and at most head_dim ({})", s.head_dim);
+        return Err(KernelError::Value { name: "rotary_dim", limit, value: s.rotary_dim as i64 });
+    }
+    let max_position = step.cos_sin.len() / s.rotary_dim.max(1);
+    if let Some(&p) = step.positions.iter().find(|&&p| p < 0 || p as usize >= max_position) {
+        let limit = format!("in 0..{max_position} (the rotary table's positions)");
+        return Err(KernelError::Value { name: "positions", limit, value: p });
+    }
+    for layer in layers {
+        check_len("input_norm", layer.input_norm.len(), s.hidden)?;
+        check_len("post_attention_norm", layer.post_attention_norm.len(), s.hidden)?;
+        for (name, linear, out, inp) in [
+            ("qkv", &layer.qkv, s.qkv_size(), s.hidden),
+            ("o", &layer.o, s.hidden, s.q_size()),
+            ("gate_up", &layer.gate_up, 2 * s.intermediate, s.hidden),
+            ("down", &layer.down, s.hidden, s.intermediate),
+        ] {
+            check_len(name, linear.out_features(), out)?;
+            check_len(name, linear.in_features(), inp)?;
+        }
+        if let Some(bias) = layer.qkv_bias {
+            check_len("qkv_bias", bias.len(), s.qkv_size())?;
+        }
+    }
+    // Slots are checked by `write_kv` before it writes; a bad one in layer 0 leaves every cache
+    // as it was, and every layer is given the same slots.
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,269 @@
+//! The stack against an f64 recomputation of the whole sequence, token by token, with int8
+//! weights (exact in f32, so only the float sums differ), and its argument checks.
+
+use super::*;
+use crate::quant::wq::QWeight;
+use crate::test_support::{linear, reference_attention, values};
+
+const HIDDEN: usize = 32;
+const HEADS: usize = 4;
+const KV_HEADS: usize = 2;
+const DIM: usize = 16;
+const ROTARY: usize = 16;
+const INTER: usize = 48;
+const BLOCK: usize = 4;
+const MAX_POS: usize = 32;
+const BLOCKS_PER_SEQ: usize = 8;
+
+/// An int8 weight `[out, in]` with one scale per row, as the kernel and the reference see it.
+struct Int8 {
+    q: Vec<i8>,
+    scales: Vec<f32>,
+    out: usize,
+    inp: usize,
+}
+
+impl Int8 {
+    fn new(out: usize, inp: usize, seed: u32) -> Self {
+        let q = values(out * inp, seed).iter().map(|v| (v * 127.0).round() as i8).collect();
+        let scales = values(out, seed + 1).iter().map(|v| 0.02 + 0.01 * v.abs()).collect();
+        Int8 { q, scales, out, inp }
+    }
+
+    fn linear(&self) -> Linear<'_> {
+        let weight = WqWeight { q: QWeight::Int8(&self.q), scales: &self.scales, mins: None };
+        Linear::Wq { weight, out_features: self.out, in_features: self.inp, group_size: self.inp }
+    }
+
+    fn dense(&self) -> Vec<f32> {
+        self.q.iter().enumerate().map(|(i, &q)| f32::from(q) * self.scales[i / self.inp]).collect()
+    }
+}
+
+struct Weights {
+    norms: Vec<Vec<f32>>,
+    qkv: Int8,
+    bias: Vec<f32>,
+    o: Int8,
+    gate_up: Int8,
+    down: Int8,
+}
+
+fn weights(seed: u32) -> Weights {
+    let qkv_size = (HEADS + 2 * KV_HEADS) * DIM;
+    Weights {
+        norms: vec![values(HIDDEN, seed).iter().map(|v| 1.0 + 0.5 * v).collect(); 2],
+        qkv: Int8::new(qkv_size, HIDDEN, seed + 2),
+        bias: values(qkv_size, seed + 3).iter().map(|v| 0.1 * v).collect(),
+        o: Int8::new(HIDDEN, HEADS * DIM, seed + 4),
+        gate_up: Int8::new(2 * INTER, HIDDEN, seed + 5),
+        down: Int8::new(HIDDEN, INTER, seed + 6),
+    }
+}
+
+fn layer(w: &Weights) -> DecoderLayer<'_> {
+    DecoderLayer {
+        input_norm: &w.norms[0],
+        post_attention_norm: &w.norms[1],
+        qkv: w.qkv.linear(),
+        qkv_bias: Some(&w.bias),
+        o: w.o.linear(),
+        gate_up: w.gate_up.linear(),
+        down: w.down.linear(),
+    }
+}
+
+fn shape() -> DecoderShape {
+    let scale = (DIM as f32).powf(-0.5);
+    DecoderShape {
+        hidden: HIDDEN,
+        num_heads: HEADS,
+        num_kv_heads: KV_HEADS,
+        head_dim: DIM,
+        rotary_dim: ROTARY,
+        intermediate: INTER,
+        eps: 1e-6,
+        scale,
+    }
+}
+
+fn cos_sin() -> Vec<f32> {
+    let half = ROTARY / 2;
+    let mut table = vec![0.0; MAX_POS * ROTARY];
+    for p in 0..MAX_POS {
+        for i in 0..half {
+            let angle = p as f64 / 10000f64.powf(2.0 * i as f64 / ROTARY as f64);
+            table[p * ROTARY + i] = angle.cos() as f32;
+            table[p * ROTARY + half + i] = angle.sin() as f32;
+        }
+    }
+    table
+}
+
+fn norm(x: &[f64], weight: &[f32]) -> Vec<f64> {
+    let mean = x.iter().map(|v| v * v).sum::<f64>() / x.len() as f64;
+    let r = 1.0 / (mean + 1e-6).sqrt();
+    x.iter().zip(weight).map(|(v, w)| v * r * f64::from(*w)).collect()
+}
+
+fn rotate(head: &mut [f32], pos: usize, table: &[f32]) {
+    let half = ROTARY / 2;
+    let (cos, sin) = table[pos * ROTARY..][..ROTARY].split_at(half);
+    let x = head.to_vec();
+    for i in 0..half {
+        head[i] = x[i] * cos[i] - x[i + half] * sin[i];
+        head[i + half] = x[i + half] * cos[i] + x[i] * sin[i];
+    }
+}
+
+fn matvec(w: &Int8, x: &[f64], bias: Option<&[f32]>) -> Vec<f64> {
+    let x32: Vec<f32> = x.iter().map(|v| *v as f32).collect();
+    linear(&x32, &w.dense(), bias, 1, w.out, w.inp).into_iter().map(f64::from).collect()
+}
+
+/// The whole sequence `embeddings` through `layers` in f64: `(hidden, residual)` of its last token.
+fn reference(layers: &[Weights], embeddings: &[Vec<f32>]) -> (Vec<f64>, Vec<f64>) {
+    let (q_size, kv_size) = (HEADS * DIM, KV_HEADS * DIM);
+    let table = cos_sin();
+    let mut streams: Vec<(Vec<f64>, Option<Vec<f64>>)> =
+        embeddings.iter().map(|e| (e.iter().map(|v| f64::from(*v)).collect(), None)).collect();
+    for w in layers {
+        let mut keys = Vec::new();
+        let mut vals = Vec::new();
+        let mut queries = Vec::new();
+        for (pos, (hidden, residual)) in streams.iter_mut().enumerate() {
+            let sum: Vec<f64> = match residual {
+                Some(r) => hidden.iter().zip(r.iter()).map(|(a, b)| a + b).collect(),
+                None => hidden.clone(),
+            };
+            let qkv: Vec<f32> =
+                matvec(&w.qkv, &norm(&sum, &w.norms[0]), Some(&w.bias)).iter().map(|v| *v as f32).collect();
+            let (mut q, mut k) = (qkv[..q_size].to_vec(), qkv[q_size..q_size + kv_size].to_vec());
+            q.chunks_exact_mut(DIM).for_each(|h| rotate(h, pos, &table));
+            k.chunks_exact_mut(DIM).for_each(|h| rotate(h, pos, &table));
+            queries.push(q);
+            keys.push(k);
+            vals.push(qkv[q_size + kv_size..].to_vec());
+            *residual = Some(sum);
+        }
+        for (pos, (hidden, residual)) in streams.iter_mut().enumerate() {
+            let mut attn = Vec::new();
+            for h in 0..HEADS {
+                let kv = h / (HEADS / KV_HEADS);
+                let ks: Vec<&[f32]> = keys[..=pos].iter().map(|k| &k[kv * DIM..][..DIM]).collect();
+                let vs: Vec<&[f32]> = vals[..=pos].iter().map(|v| &v[kv * DIM..][..DIM]).collect();
+                let q = &queries[pos][h * DIM..][..DIM];
+                attn.extend(reference_attention(q, &ks, &vs, shape().scale, None));
+            }
+            let attn: Vec<f64> = attn.iter().map(|v| f64::from(*v)).collect();
+            let residual = residual.as_mut().unwrap();
+            let o = matvec(&w.o, &attn, None);
+            residual.iter_mut().zip(&o).for_each(|(r, v)| *r += v);
+            let gu = matvec(&w.gate_up, &norm(residual, &w.norms[1]), None);
+            let act: Vec<f64> = (0..INTER).map(|i| gu[i] / (1.0 + (-gu[i]).exp()) * gu[INTER + i]).collect();
+            *hidden = matvec(&w.down, &act, None);
+        }
+    }
+    let (hidden, residual) = streams.pop().unwrap();
+    (hidden, residual.unwrap())
+}
+
+fn assert_close(got: &[f32], want: &[f64], what: &str) {
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        let w = *w as f32;
+        assert!((g - w).abs() <= 1e-3 + 1e-3 * w.abs(), "{what}[{i}]: {g} vs {w}");
+    }
+}
+
+#[test]
+fn decode_steps_match_an_f64_recompute_of_the_sequence() {
+    let stack = [weights(10), weights(20)];
+    let layers: Vec<DecoderLayer<'_>> = stack.iter().map(layer).collect();
+    let cache_len = 2 * BLOCKS_PER_SEQ * BLOCK * KV_HEADS * DIM;
+    let mut kv: Vec<(Vec<f32>, Vec<f32>)> =
+        (0..2).map(|_| (vec![0.0; cache_len], vec![0.0; cache_len])).collect();
+    let table = cos_sin();
+    // Two requests, the second two tokens behind; each has its own blocks, in reverse order.
+    let tables: Vec<i32> = (0..2 * BLOCKS_PER_SEQ as i32).rev().collect();
+    let embed = |seq: u32, pos: usize| values(HIDDEN, 100 * seq + pos as u32);
+    for step in 0..7usize {
+        let positions = [step as i64, step.saturating_sub(2) as i64];
+        let slot = |row: usize, pos: i64| {
+            let table = &tables[row * BLOCKS_PER_SEQ..];
+            i64::from(table[pos as usize / BLOCK]) * BLOCK as i64 + pos % BLOCK as i64
+        };
+        let slots = [slot(0, positions[0]), slot(1, positions[1])];
+        let seq_lens = [positions[0] as i32 + 1, positions[1] as i32 + 1];
+        let mut hidden: Vec<f32> = [embed(0, step), embed(1, positions[1] as usize)].concat();
+        let mut residual = vec![0.0; 2 * HIDDEN];
+        let mut caches: Vec<LayerCache<'_>> =
+            kv.iter_mut().map(|(k, v)| LayerCache { key: k, value: v }).collect();
+        let decode = DecodeStep {
+            positions: &positions,
+            slot_mapping: &slots,
+            block_tables: &tables,
+            max_blocks_per_seq: BLOCKS_PER_SEQ,
+            seq_lens: &seq_lens,
+            block_size: BLOCK,
+            cos_sin: &table,
+        };
+        decode_layers(&layers, &mut caches, shape(), decode, &mut hidden, &mut residual, 2).unwrap();
+        if step < 2 {
+            continue; // the second request's repeated token 0 is not a real sequence
+        }
+        for (row, seq) in [(0usize, 0u32), (1, 1)] {
+            let tokens: Vec<Vec<f32>> = (0..=positions[row] as usize).map(|p| embed(seq, p)).collect();
+            let (want_hidden, want_residual) = reference(&stack, &tokens);
+            assert_close(&hidden[row * HIDDEN..][..HIDDEN], &want_hidden, "hidden");
+            assert_close(&residual[row * HIDDEN..][..HIDDEN], &want_residual, "residual");
+        }
+    }
+}
+
+#[test]
+fn refuses_a_position_past_the_rotary_table_before_writing_the_cache() {
+    let stack = [weights(1)];
+    let layers = [layer(&stack[0])];
+    let (mut key, mut value) = (vec![7.0; BLOCKS_PER_SEQ * BLOCK * KV_HEADS * DIM], vec![7.0; 1]);
+    let mut caches = [LayerCache { key: &mut key, value: &mut value }];
+    let table = cos_sin();
+    let tables = vec![0; BLOCKS_PER_SEQ];
+    let step = DecodeStep {
+        positions: &[MAX_POS as i64],
+        slot_mapping: &[0],
+        block_tables: &tables,
+        max_blocks_per_seq: BLOCKS_PER_SEQ,
+        seq_lens: &[1],
+        block_size: BLOCK,
+        cos_sin: &table,
+    };
+    let (mut hidden, mut residual) = (vec![0.5; HIDDEN], vec![0.0; HIDDEN]);
+    let err = decode_layers(&layers, &mut caches, shape(), step, &mut hidden, &mut residual, 1).unwrap_err();
+    assert!(matches!(err, KernelError::Value { name: "positions", .. }), "{err}");
+    assert!(key.iter().all(|&v| v == 7.0));
+}
+
+#[test]
+fn refuses_a_cache_per_layer_missing_and_a_mis_sized_weight() {
+    let stack = [weights(1)];
+    let layers = [layer(&stack[0])];
+    let table = cos_sin();
+    let tables = vec![0; BLOCKS_PER_SEQ];
+    let step = DecodeStep {
+        positions: &[0],
+        slot_mapping: &[0],
+        block_tables: &tables,
+        max_blocks_per_seq: BLOCKS_PER_SEQ,
+        seq_lens: &[1],
+        block_size: BLOCK,
+        cos_sin: &table,
+    };
+    let (mut hidden, mut residual) = (vec![0.5; HIDDEN], vec![0.0; HIDDEN]);
+    let err = decode_layers(&layers, &mut [], shape(), step, &mut hidden, &mut residual, 1).unwrap_err();
+    assert_eq!(err, KernelError::Size { name: "caches", expected: 1, actual: 0 });
+    let (mut key, mut value) = (vec![0.0; 1024], vec![0.0; 1024]);
+    let mut caches = [LayerCache { key: &mut key, value: &mut value }];
+    let wide = DecoderShape { intermediate: INTER + 1, ..shape() };
+    let err = decode_layers(&layers, &mut caches, wide, step, &mut hidden, &mut residual, 1).unwrap_err();
+    assert!(matches!(err, KernelError::Size { name: "gate_up", .. }), "{err}");
+}

