@@ -22,6 +22,8 @@
 
 #[cfg(target_arch = "x86_64")]
 mod avx2;
+#[cfg(target_arch = "x86_64")]
+mod avx512;
 
 #[cfg(target_arch = "x86_64")]
 pub(crate) use avx2::GroupWalk;
@@ -261,26 +263,38 @@ impl Weights<'_> {
     /// Weight row `n` dotted with one row of `x` (`k_padded` long); `xsum` its group sums
     /// where there are mins.
     fn row_dot(&self, n: usize, x: &[f32], xsum: Option<&[f32]>) -> f32 {
-        #[cfg(target_arch = "x86_64")]
-        if simd::has_avx2_fma() {
-            let [dot] = self.row_dot_avx2::<1>(n, x, x.len());
+        if let Some([dot]) = self.vector_dot::<1>(n, x, x.len()) {
             return dot + self.mins_term(n, xsum.unwrap_or(&[]));
         }
-        let _ = xsum;
         (0..self.layout.k).map(|k| self.value(n, k) * x[k]).sum()
     }
 
     /// [`Self::row_dot`] for two rows of `x` at once (each weight row read once).
     fn row_dot2(&self, n: usize, x: &[f32], xsums: &[f32]) -> [f32; 2] {
         let Layout { k_padded, groups, .. } = self.layout;
-        #[cfg(target_arch = "x86_64")]
-        if simd::has_avx2_fma() {
-            let dots = self.row_dot_avx2::<2>(n, x, k_padded);
+        if let Some(dots) = self.vector_dot::<2>(n, x, k_padded) {
             let xsum = |r: usize| xsums.get(r * groups..(r + 1) * groups).unwrap_or(&[]);
             return [dots[0] + self.mins_term(n, xsum(0)), dots[1] + self.mins_term(n, xsum(1))];
         }
-        let _ = (groups, xsums);
         [0, 1].map(|r| (0..self.layout.k).map(|k| self.value(n, k) * x[r * k_padded + k]).sum())
+    }
+
+    /// Weight row `n` dotted with `M` rows of `x` (`stride` apart, each `k_padded` long) on the
+    /// widest vectors this CPU has, scales applied and mins not; None on CPUs without AVX2.
+    fn vector_dot<const M: usize>(&self, n: usize, x: &[f32], stride: usize) -> Option<[f32; M]> {
+        #[cfg(target_arch = "x86_64")]
+        {
+            // Groups of 16 or 32 only: with wider ones AVX2's loop was as fast (see `avx512`).
+            if simd::has_avx512f() && matches!(self.layout.group, 16 | INT4_BLOCK) {
+                // SAFETY: the CPU has AVX-512F; the groups are 16 or 32 (multiples of 16).
+                return Some(unsafe { self.row_dot_avx512::<M>(n, x, stride) });
+            }
+            if simd::has_avx2_fma() {
+                return Some(self.row_dot_avx2::<M>(n, x, stride));
+            }
+        }
+        let _ = (n, x, stride);
+        None
     }
 
     /// `Σ_g mins[n, g] · xsum[g]`, 0 without mins.
@@ -410,6 +424,50 @@ mod tests {
             w.decode_row(2, 0, &mut row);
             let scalar: Vec<f32> = (0..k).map(|i| w.value(2, i)).collect();
             assert_near(&row, &scalar, "decoded row");
+        }
+    }
+
+    #[test]
+    #[cfg(target_arch = "x86_64")]
+    fn each_vector_path_here_agrees_with_the_scalar_formula() {
+        // Group 16 (its own loop), per group, per channel with an int8 tail; one and two rows.
+        for (k, group) in [(80, 16), (48, 16), (96, 32), (256, 128), (20, 20), (37, 37), (160, 160)] {
+            for bits in [4, 8] {
+                let n = 3;
+                let c = case(bits, n, k, group, k as u32);
+                let mut packed = vec![0u8; int4_packed_len(n, k)];
+                if bits == 4 {
+                    pack_int4(&c.q, &mut packed, n, k, 1).unwrap();
+                }
+                // SAFETY: as in `run`.
+                let q8 = unsafe { std::slice::from_raw_parts(c.q.as_ptr().cast(), c.q.len()) };
+                let q = if bits == 4 { QWeight::Int4(&packed) } else { QWeight::Int8(q8) };
+                let shape = WqShape { rows: 2, out_features: n, in_features: k, group_size: group };
+                let layout = Layout::new(shape, q).unwrap();
+                let w = Weights { q, scales: &c.scales, mins: None, layout };
+                let mut x = values(2 * layout.k_padded, 4);
+                for r in 0..2 {
+                    x[r * layout.k_padded + k..(r + 1) * layout.k_padded].fill(0.0);
+                }
+                let scalar =
+                    |r: usize| (0..k).map(|i| w.value(1, i) * x[r * layout.k_padded + i]).sum::<f32>();
+                let want = [scalar(0), scalar(1)];
+                let mut paths = Vec::new();
+                if simd::has_avx2_fma() {
+                    paths.push(("avx2", w.row_dot_avx2::<2>(1, &x, layout.k_padded)));
+                }
+                if simd::has_avx512f() && matches!(group, 16 | INT4_BLOCK) {
+                    // SAFETY: the CPU has AVX-512F; the groups are 16 or 32.
+                    paths.push(("avx512", unsafe { w.row_dot_avx512::<2>(1, &x, layout.k_padded) }));
+                    let [one] = unsafe { w.row_dot_avx512::<1>(1, &x, layout.k_padded) };
+                    paths.push(("avx512 one row", [one, want[1]]));
+                }
+                for (path, got) in paths {
+                    let scale = want.iter().fold(1.0f32, |m, v| m.max(v.abs()));
+                    let norm = |v: [f32; 2]| v.map(|e| e / scale);
+                    assert_near(&norm(got), &norm(want), &format!("{path} bits {bits} k {k} group {group}"));
+                }
+            }
         }
     }
 
