@@ -196,8 +196,11 @@ class LlamaModel(nn.Module):
 
     def _cpu_decoder_for(self, hidden_states: torch.Tensor, kv_caches: list[torch.Tensor],
                          attn_metadata: AttentionMetadata) -> CpuDecoder | None:
-        """The one-call decoder where this step can take it: a decode-only CPU step without images."""
-        if not (hidden_states.is_cpu and attn_metadata.is_decode_only and not attn_metadata.image_spans):
+        """The one-call decoder where this step can take it: a decode-only CPU step without images,
+        run eagerly (a compiled model reads its metadata from the forward context, and is None here)."""
+        if attn_metadata is None or not hidden_states.is_cpu or torch.compiler.is_compiling():
+            return None
+        if not attn_metadata.is_decode_only or attn_metadata.image_spans:
             return None
         if self._cpu_decoder is False:
             self._cpu_decoder = build_cpu_decoder(self)
