@@ -66,14 +66,16 @@ class CpuDecoder:
         return hidden, residual
 
     def _cache_buffers(self, kv_caches: list[torch.Tensor]):
-        # The engine hands the same cache tensors every step: their addresses are looked up once.
-        if self._caches is not None and self._caches[0] is kv_caches:
+        # The engine hands the same cache tensors every step: their addresses are looked up once,
+        # and again whenever any tensor in the list is another one.
+        if self._caches is not None and len(self._caches[0]) == len(kv_caches) and all(
+                a is b for a, b in zip(self._caches[0], kv_caches)):
             return self._caches[1]
         if len(kv_caches) != len(self._core) or not all(
                 c.dtype == torch.float32 and c.is_cpu and c.is_contiguous() for c in kv_caches):
             return None
         buffers = [(_buf(c[0]), _buf(c[1])) for c in kv_caches]
-        self._caches = (kv_caches, buffers)
+        self._caches = (list(kv_caches), buffers)
         return buffers
 
 
@@ -103,6 +105,8 @@ def _refusal(model: nn.Module) -> str | None:
 
     if os.environ.get("FERROLLM_CPU_FUSED_DECODE", "1") == "0":
         return "FERROLLM_CPU_FUSED_DECODE=0"
+    if not supports(torch.empty(0)):
+        return "the Rust CPU kernels are off (FERROLLM_CPU_KERNELS=0, or torch has no OpenMP team to join)"
     layers = list(getattr(model, "layers", []))
     if not layers:
         return "no decoder layers"
@@ -125,7 +129,7 @@ def _layer_refusal(layer: nn.Module) -> str | None:
     if layer.residual_multiplier != 1.0 or attn.qk_norm or attn.attn.sliding_window is not None \
             or attn.attn.logits_soft_cap is not None:
         return "residual scaling, q/k norms, a sliding window or soft-capping"
-    if any(type(n) is not RMSNorm or n._gemma or not supports(n.weight) or n.weight.dtype != torch.float32
+    if any(type(n) is not RMSNorm or n._gemma or n.weight.dtype != torch.float32 or not n.weight.is_cpu
            for n in norms):
         return "norms other than float32 RMSNorm"
     if not isinstance(mlp.act_fn, SiluAndMul):

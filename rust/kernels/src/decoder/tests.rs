@@ -220,6 +220,19 @@ fn decode_steps_match_an_f64_recompute_of_the_sequence() {
     }
 }
 
+/// One request's step at `position`, its block table all block 0.
+fn one_token<'a>(position: &'a [i64], tables: &'a [i32], table: &'a [f32]) -> DecodeStep<'a> {
+    DecodeStep {
+        positions: position,
+        slot_mapping: &[0],
+        block_tables: tables,
+        max_blocks_per_seq: BLOCKS_PER_SEQ,
+        seq_lens: &[1],
+        block_size: BLOCK,
+        cos_sin: table,
+    }
+}
+
 #[test]
 fn refuses_a_position_past_the_rotary_table_before_writing_the_cache() {
     let stack = [weights(1)];
@@ -228,15 +241,7 @@ fn refuses_a_position_past_the_rotary_table_before_writing_the_cache() {
     let mut caches = [LayerCache { key: &mut key, value: &mut value }];
     let table = cos_sin();
     let tables = vec![0; BLOCKS_PER_SEQ];
-    let step = DecodeStep {
-        positions: &[MAX_POS as i64],
-        slot_mapping: &[0],
-        block_tables: &tables,
-        max_blocks_per_seq: BLOCKS_PER_SEQ,
-        seq_lens: &[1],
-        block_size: BLOCK,
-        cos_sin: &table,
-    };
+    let step = one_token(&[MAX_POS as i64], &tables, &table);
     let (mut hidden, mut residual) = (vec![0.5; HIDDEN], vec![0.0; HIDDEN]);
     let err = decode_layers(&layers, &mut caches, shape(), step, &mut hidden, &mut residual, 1).unwrap_err();
     assert!(matches!(err, KernelError::Value { name: "positions", .. }), "{err}");
@@ -249,15 +254,7 @@ fn refuses_a_cache_per_layer_missing_and_a_mis_sized_weight() {
     let layers = [layer(&stack[0])];
     let table = cos_sin();
     let tables = vec![0; BLOCKS_PER_SEQ];
-    let step = DecodeStep {
-        positions: &[0],
-        slot_mapping: &[0],
-        block_tables: &tables,
-        max_blocks_per_seq: BLOCKS_PER_SEQ,
-        seq_lens: &[1],
-        block_size: BLOCK,
-        cos_sin: &table,
-    };
+    let step = one_token(&[0], &tables, &table);
     let (mut hidden, mut residual) = (vec![0.5; HIDDEN], vec![0.0; HIDDEN]);
     let err = decode_layers(&layers, &mut [], shape(), step, &mut hidden, &mut residual, 1).unwrap_err();
     assert_eq!(err, KernelError::Size { name: "caches", expected: 1, actual: 0 });

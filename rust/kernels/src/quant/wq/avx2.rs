@@ -19,8 +19,9 @@ trait Block {
     unsafe fn load(row: *const u8, block: usize) -> [__m256; 4];
 }
 
-struct Int4;
-struct Int8;
+/// The stored formats, as markers for each instruction set's `Block` loader.
+pub(super) struct Int4;
+pub(super) struct Int8;
 
 impl Block for Int4 {
     /// 16 bytes: the low nibbles of bytes 0-15 are elements 0-15, the high ones 16-31.

@@ -10,6 +10,7 @@
 
 use std::arch::x86_64::*;
 
+use super::avx2::{Int4, Int8};
 use super::{Layout, QWeight, Weights, INT4_BLOCK};
 
 /// A stored block of 32 elements as two vectors of f32.
@@ -18,9 +19,6 @@ trait Block {
     /// `row` addresses a stored row with at least `block + 1` whole blocks; the CPU has AVX-512F.
     unsafe fn load(row: *const u8, block: usize) -> [__m512; 2];
 }
-
-struct Int4;
-struct Int8;
 
 impl Block for Int4 {
     /// 16 bytes: the low nibbles of bytes 0-15 are elements 0-15, the high ones 16-31.
