@@ -35,11 +35,10 @@ logger = logging.getLogger(__name__)
 class CpuDecoder:
     """A model's decoder layers on the Rust side, and the tensors they read kept alive."""
 
-    def __init__(self, core: _core.CpuDecoder, held: list[torch.Tensor], cos_sin: torch.Tensor, hidden: int):
+    def __init__(self, core: _core.CpuDecoder, held: list[torch.Tensor], cos_sin: torch.Tensor):
         self._core = core
         self._held = held  # every tensor `core` reads by address
         self._cos_sin = cos_sin
-        self._hidden = hidden
         self._caches: tuple[list[torch.Tensor], list[tuple[tuple[int, int], tuple[int, int]]]] | None = None
 
     def takes(self, hidden_states: torch.Tensor, kv_caches: list[torch.Tensor]) -> bool:
@@ -96,7 +95,7 @@ def build_cpu_decoder(model: nn.Module) -> CpuDecoder | None:
                             float(layers[0].input_layernorm.variance_epsilon), float(attn.attn.scale), specs)
     logger.info("one-call CPU decode on: %d layers, weights as %s", len(layers),
                 sorted({layer.self_attn.qkv_proj._cpu.kind for layer in layers}))
-    return CpuDecoder(core, held, rope.cos_sin_cache, model.norm.weight.shape[0])
+    return CpuDecoder(core, held, rope.cos_sin_cache)
 
 
 def _refusal(model: nn.Module) -> str | None:
@@ -110,6 +109,7 @@ def _refusal(model: nn.Module) -> str | None:
     layers = list(getattr(model, "layers", []))
     if not layers:
         return "no decoder layers"
+    first = layers[0]
     for layer in layers:
         if type(layer) is not LlamaDecoderLayer or type(layer.self_attn) is not LlamaAttention \
                 or type(layer.mlp) is not LlamaMLP:
@@ -117,6 +117,13 @@ def _refusal(model: nn.Module) -> str | None:
         reason = _layer_refusal(layer)
         if reason is not None:
             return reason
+        # The Rust side takes one shape, rotary table, scale and epsilon for the whole stack.
+        if (layer.self_attn.rotary_emb is not first.self_attn.rotary_emb
+                or layer.self_attn.attn.scale != first.self_attn.attn.scale
+                or layer.input_layernorm.variance_epsilon != first.input_layernorm.variance_epsilon
+                or layer.post_attention_layernorm.variance_epsilon != first.input_layernorm.variance_epsilon
+                or layer.mlp.down_proj.input_size_per_partition != first.mlp.down_proj.input_size_per_partition):
+            return "layers that differ in rotary embedding, attention scale, norm epsilon or MLP width"
     return None
 
 
