@@ -130,6 +130,7 @@ def _refusal(model: nn.Module) -> str | None:
 def _layer_refusal(layer: nn.Module) -> str | None:
     from ferrollm.model_executor.layers.activation import SiluAndMul
     from ferrollm.model_executor.layers.norm import RMSNorm
+    from ferrollm.model_executor.layers.rotary import RotaryEmbedding
 
     attn, mlp = layer.self_attn, layer.mlp
     norms = (layer.input_layernorm, layer.post_attention_layernorm)
@@ -142,8 +143,10 @@ def _layer_refusal(layer: nn.Module) -> str | None:
     if not isinstance(mlp.act_fn, SiluAndMul):
         return "an MLP activation other than SiLU"
     rope = attn.rotary_emb
-    if not rope.is_neox_style or rope.cos_sin_cache.dtype != torch.float32 or not rope.cos_sin_cache.is_cpu:
-        return "a rotary embedding other than NeoX style in float32"
+    # Exactly RotaryEmbedding: M-RoPE (Qwen2-VL) subclasses it with positions of another shape.
+    if type(rope) is not RotaryEmbedding or not rope.is_neox_style or rope.cos_sin_cache.dtype != torch.float32 \
+            or not rope.cos_sin_cache.is_cpu:
+        return "a rotary embedding other than plain NeoX style in float32"
     for proj in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
         if proj.tp_size != 1:
             return "tensor parallelism"
