@@ -174,26 +174,29 @@ pub fn decode_layers(
     for (i, (layer, cache)) in layers.iter().zip(caches.iter_mut()).enumerate() {
         let input_norm = RmsNormWeight { weight: layer.input_norm, eps: shape.eps, gemma: false };
         if i == 0 {
-            residual.copy_from_slice(hidden);
+            scratch.stream.copy_from_slice(hidden);
             rms_norm(hidden, input_norm, &mut scratch.normed, threads)?;
         } else {
-            add_norm(hidden, residual, input_norm, &mut scratch, threads)?;
+            add_norm(hidden, input_norm, &mut scratch, threads)?;
         }
         attention(layer, cache, &shape, &step, &mut scratch, threads)?;
         layer.o.forward(&scratch.attn, rows, None, hidden, threads)?;
         let post_norm = RmsNormWeight { weight: layer.post_attention_norm, eps: shape.eps, gemma: false };
-        add_norm(hidden, residual, post_norm, &mut scratch, threads)?;
+        add_norm(hidden, post_norm, &mut scratch, threads)?;
         layer.gate_up.forward(&scratch.normed, rows, None, &mut scratch.gate_up, threads)?;
         silu_and_mul(&scratch.gate_up, shape.intermediate, &mut scratch.act, threads)?;
         layer.down.forward(&scratch.act, rows, None, hidden, threads)?;
     }
+    residual.copy_from_slice(&scratch.stream);
     Ok(())
 }
 
 /// Per-call buffers, each `rows` rows wide.
 struct Scratch {
     normed: Vec<f32>,
-    residual: Vec<f32>,
+    /// The residual stream, and the buffer its next value is written to.
+    stream: Vec<f32>,
+    next: Vec<f32>,
     qkv: Vec<f32>,
     q: Vec<f32>,
     k: Vec<f32>,
@@ -207,7 +210,8 @@ impl Scratch {
         let zeros = |width: usize| vec![0.0f32; rows * width];
         Scratch {
             normed: zeros(s.hidden),
-            residual: zeros(s.hidden),
+            stream: zeros(s.hidden),
+            next: zeros(s.hidden),
             qkv: zeros(s.qkv_size()),
             q: zeros(s.q_size()),
             k: zeros(s.kv_size()),
@@ -218,16 +222,16 @@ impl Scratch {
     }
 }
 
-/// `residual += hidden; scratch.normed = norm(residual)`.
+/// `stream += hidden; scratch.normed = norm(stream)`: the sum goes to `next`, which then becomes
+/// the stream (a swap, not a copy).
 fn add_norm(
     hidden: &[f32],
-    residual: &mut [f32],
     norm: RmsNormWeight<'_, f32>,
     scratch: &mut Scratch,
     threads: usize,
 ) -> Result<(), KernelError> {
-    fused_add_rms_norm(hidden, residual, norm, &mut scratch.normed, &mut scratch.residual, threads)?;
-    residual.copy_from_slice(&scratch.residual);
+    fused_add_rms_norm(hidden, &scratch.stream, norm, &mut scratch.normed, &mut scratch.next, threads)?;
+    std::mem::swap(&mut scratch.stream, &mut scratch.next);
     Ok(())
 }
 
