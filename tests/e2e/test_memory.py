@@ -121,3 +121,41 @@ def test_start_up_logs_its_phases_and_the_memory_it_holds(tiny_llama, caplog, mo
     # The cache is the 0.01 GiB asked for, never more.
     kv_mib = float(memory.split("KV cache ")[1].split(" MiB")[0])
     assert kv_mib <= 0.01 * 1024, memory
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_tied_table_is_held_once_and_still_answers_like_transformers(tmp_path, tokenizer_dir, caplog, dtype):
+    # The LM head's packed form is the table's one copy; the embedding reads its rows there. With
+    # a 16384 x 256 table beside one small layer, a second copy would double the logged weights.
+    import logging
+
+    from helpers.engine_driver import hf_greedy
+
+    from ferrollm import LLM, SamplingParams
+
+    config = transformers.LlamaConfig(
+        vocab_size=16384, hidden_size=256, intermediate_size=512, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    hf_model = transformers.LlamaForCausalLM(config).to(dtype).eval()
+    hf_model.save_pretrained(tmp_path)
+    add_tokenizer(tmp_path, tokenizer_dir)
+    file_bytes = sum(p.stat().st_size for p in tmp_path.glob("*.safetensors"))
+    hf_model.generation_config.eos_token_id = None
+    prompt = [5, 17, 300, 9000, 16383, 42]
+    want, _ = hf_greedy(hf_model, prompt, 6)
+
+    logger = logging.getLogger("ferrollm")
+    logger.addHandler(caplog.handler)  # the ferrollm logger does not propagate to the root
+    try:
+        with caplog.at_level(logging.INFO, logger="ferrollm"), \
+                LLM(model=str(tmp_path), dtype=dtype, max_model_len=64, max_num_seqs=2) as llm:
+            out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=6, temperature=0,
+                                                                            ignore_eos=True), use_tqdm=False)
+    finally:
+        logger.removeHandler(caplog.handler)
+    memory = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("memory: weights"))
+    held = float(memory.split("memory: weights ")[1].split(" MiB")[0]) * MIB
+    assert held <= 1.05 * file_bytes, (memory, file_bytes)
+    if dtype == torch.float32:  # bf16 sums round differently from transformers': not a token check
+        assert list(out[0].outputs[0].token_ids) == want

@@ -166,6 +166,20 @@ def test_a_weight_packed_block_by_block_matches_f_linear_and_unpacks_to_itself(o
     assert torch.equal(packed.dense(), weight)
 
 
+@needs_kernels
+@pytest.mark.parametrize("shape", [(40, 96), (48, 5), (151, 33), (200, 7)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_read_back_from_the_panels_are_the_table_s_rows(shape, dtype):
+    # A tied head's packed table serves its embedding's lookups: any ids, in the full panels of
+    # 48 and in the narrower last one, and odd widths (bf16 packs column pairs).
+    table = torch.randn(*shape).to(dtype)
+    form = (PackedWeight if dtype == torch.float32 else PackedBf16Weight)([(0, table)], *shape)
+    ids = torch.tensor([[0, shape[0] - 1, shape[0] // 2], [shape[0] - 1, 1, 0]])
+    assert torch.equal(form.rows(ids), table[ids])
+    assert torch.equal(form.rows(torch.arange(shape[0])), table)
+    assert form.rows(ids[:0]).shape == (0, 3, shape[1])
+
+
 def test_a_rank_s_strided_columns_pack_as_their_contiguous_copy(own_gemm):
     full = torch.randn(40, 192)
     a = cpu_kernels.gemm_pack(full[:, 96:].contiguous())

@@ -32,7 +32,7 @@ from ferrollm import _core
 from ferrollm.exceptions import KernelError
 
 __all__ = ["GEMV_MAX_ROWS", "fused_add_rms_norm", "gemm", "gemm_pack", "gemm_pack_rows", "gemm_packed_len", "gemm_silu_mul",
-           "gemm_supported", "gemm_unpack", "gemv",
+           "gemm_rows", "gemm_supported", "gemm_unpack", "gemv",
            "gemv_supported", "paged_decode", "paged_decode_supported", "paged_prefill", "paged_prefill_supported",
            "rms_norm", "rotary_neox", "rotary_supported", "silu_and_mul",
            "supports", "write_kv", "write_kv_supported"]
@@ -40,6 +40,8 @@ __all__ = ["GEMV_MAX_ROWS", "fused_add_rms_norm", "gemm", "gemm_pack", "gemm_pac
 # The kernel's limit (`gemv::MAX_ROWS`): from three rows on, oneDNN's blocked GEMM is as fast.
 # Where ferrollm's GEMM packed the weight it takes two rows too (see `cpu_weights.PackedWeight`).
 GEMV_MAX_ROWS = 2
+# Rows in a panel of the packed GEMMs' weights (`gemm::PANEL_WIDTH`).
+PANEL_WIDTH = 48
 
 _NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 # KV cache formats the attention kernels read and write besides the model's dtype.
@@ -183,13 +185,38 @@ def gemm_pack_rows(rows: torch.Tensor, packed: torch.Tensor, out_features: int, 
 
 def gemm_unpack(packed: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
     """The plain ``[out_features, in_features]`` weight :func:`gemm_pack` packed into ``packed``."""
+    return gemm_rows(packed, out_features, in_features, torch.arange(out_features))
+
+
+def gemm_rows(packed: torch.Tensor, out_features: int, in_features: int, ids: torch.Tensor) -> torch.Tensor:
+    """Rows ``ids`` (any shape) of the ``[out_features, in_features]`` weight :func:`gemm_pack` packed
+    into ``packed``: ``[*ids.shape, in_features]``. A tied LM head's packed table serves its
+    embedding's lookups this way, so the table is held once."""
+    return panel_rows(packed, out_features, in_features, 1, ids)
+
+
+def panel_rows(packed: torch.Tensor, out_features: int, depth: int, group: int, ids: torch.Tensor) -> torch.Tensor:
+    """Rows ``ids`` of a weight in the GEMMs' panel layout, ``[*ids.shape, depth * group]``.
+
+    The rows, padded to a multiple of 16, go in panels of 48 (the last one takes the rest); a
+    panel of ``width`` rows is ``[depth, width, group]``: ``group`` consecutive inputs of a row
+    side by side (one in fp32, a pair in bf16), ``depth`` such steps along the input.
+    """
     padded = -(-out_features // 16) * 16
-    full, tail = divmod(padded, 48)
-    split = full * 48 * in_features
-    cols = [packed[:split].view(full, in_features, 48).permute(0, 2, 1).reshape(full * 48, in_features)]
-    if tail:
-        cols.append(packed[split:split + tail * in_features].view(in_features, tail).t())
-    return torch.cat(cols)[:out_features].contiguous()
+    full, tail = divmod(padded, PANEL_WIDTH)
+    split = full * PANEL_WIDTH * depth * group
+    flat = ids.reshape(-1)
+    panel, lane = flat // PANEL_WIDTH, flat % PANEL_WIDTH
+    panels = packed[:split].view(full, depth, PANEL_WIDTH, group)
+    if not tail or bool((panel < full).all()):
+        rows = panels[panel, :, lane]
+    else:
+        rows = packed.new_empty((flat.numel(), depth, group))
+        in_full = panel < full
+        rows[in_full] = panels[panel[in_full], :, lane[in_full]]
+        tails = packed[split:split + depth * tail * group].view(depth, tail, group)
+        rows[~in_full] = tails[:, flat[~in_full] - full * PANEL_WIDTH].transpose(0, 1)
+    return rows.reshape(*ids.shape, depth * group)
 
 
 def gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:

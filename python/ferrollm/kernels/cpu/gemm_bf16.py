@@ -16,7 +16,7 @@ import torch
 from ferrollm import _core
 from ferrollm.kernels import cpu as _cpu
 
-__all__ = ["kernel", "linear", "pack", "pack_rows", "packed_len", "supported", "unpack"]
+__all__ = ["kernel", "linear", "pack", "pack_rows", "packed_len", "rows", "supported", "unpack"]
 
 
 def kernel() -> str:
@@ -63,14 +63,14 @@ def pack_rows(rows: torch.Tensor, packed: torch.Tensor, out_features: int, first
 
 def unpack(packed: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
     """The plain ``[out_features, in_features]`` bf16 weight that :func:`pack` packed."""
+    return rows(packed, out_features, in_features, torch.arange(out_features))
+
+
+def rows(packed: torch.Tensor, out_features: int, in_features: int, ids: torch.Tensor) -> torch.Tensor:
+    """Rows ``ids`` (any shape) of the weight :func:`pack` packed: ``[*ids.shape, in_features]``
+    (a tied LM head's table serving its embedding's lookups)."""
     pairs = -(-in_features // 2)
-    padded = -(-out_features // 16) * 16
-    full, tail = divmod(padded, 48)
-    split = full * 48 * pairs * 2
-    cols = [packed[:split].view(full, pairs, 48, 2).permute(0, 2, 1, 3).reshape(full * 48, 2 * pairs)]
-    if tail:
-        cols.append(packed[split:split + tail * pairs * 2].view(pairs, tail, 2).permute(1, 0, 2).reshape(tail, 2 * pairs))
-    return torch.cat(cols)[:out_features, :in_features].contiguous()
+    return _cpu.panel_rows(packed, out_features, pairs, 2, ids)[..., :in_features]
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:

@@ -267,6 +267,10 @@ class PackedWeight:
     def _takes(self, x: torch.Tensor) -> bool:
         return x.dim() == 2 and x.shape[0] >= 1 and x.dtype == self.dtype
 
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` of the plain weight, ``[*ids.shape, in_features]`` (not for gated packs)."""
+        return cpu_kernels.gemm_rows(self.weight, self.out_features, self.in_features, ids)
+
     def dense(self) -> torch.Tensor:
         """The plain ``[out_features, in_features]`` weight, unpacked (for saving)."""
         parts = 2 if self.gated else 1
@@ -299,6 +303,10 @@ class PackedBf16Weight:
             return out.view(*x.shape[:-1], self.out_features)
         # Unpacks the whole weight on every call: only for inputs no CPU model passes.
         return F.linear(x, self.dense().to(x.dtype), bias)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` of the plain weight, ``[*ids.shape, in_features]``."""
+        return gemm_bf16.rows(self.weight, self.out_features, self.in_features, ids)
 
     def dense(self) -> torch.Tensor:
         """The plain ``[out_features, in_features]`` weight, unpacked (for saving)."""
