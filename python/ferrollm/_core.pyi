@@ -29,7 +29,11 @@ __all__ = [
     "cpu_gemm_silu_mul",
     "cpu_gemm_vectorized",
     "cpu_gemv",
+    "cpu_gguf_deinterleave",
     "cpu_gguf_dequantize",
+    "cpu_gguf_interleave",
+    "cpu_gguf_interleave_preferred",
+    "cpu_gguf_interleaved_len",
     "cpu_gguf_linear",
     "cpu_gguf_linear_supported",
     "cpu_gguf_supported",
@@ -516,8 +520,14 @@ def cpu_w8a8_linear(
     threads: int,
 ) -> None: ...
 def cpu_gguf_linear_supported(ggml_type: int) -> bool: ...
+def cpu_gguf_interleave_preferred(ggml_type: int) -> bool: ...
+def cpu_gguf_interleaved_len(ggml_type: int, out_features: int, in_features: int) -> int: ...
+def cpu_gguf_interleave(
+    ggml_type: int, rows: _Buffer, row_stride: int, out_features: int, in_features: int, dst: _Buffer
+) -> None: ...
+def cpu_gguf_deinterleave(ggml_type: int, src: _Buffer, out_features: int, in_features: int, dst: _Buffer) -> None: ...
 def cpu_gguf_linear(
-    weights: list[tuple[int, _Buffer, int, int]],
+    weights: list[tuple[int, _Buffer, int, int, bool]],
     in_features: int,
     x: _Buffer,
     rows: int,

@@ -57,7 +57,11 @@ def test_greedy_matches_transformers_on_the_same_gguf(llm, hf_model):
         ours, ref = list(out.outputs[0].token_ids), seq[ids.shape[1]:]
         assert ours[:8] == ref[:8], prompt
         first = next((k for k in range(16) if ours[k] != ref[k]), None)
-        assert first is None or margins[first] < 0.25, f"{prompt!r}: token {first} differs where the choice was clear"
+        # Rounding each activation to 8 bits is discontinuous: a float-order change of 1e-7 (the
+        # file-layout and the 16-row-group products sum in different orders) flips a few
+        # roundings and moved a prompt token's logprob by up to 0.22 here, so a margin under
+        # ~0.5 is a near tie for this model.
+        assert first is None or margins[first] < 0.5, f"{prompt!r}: token {first} differs where the choice was clear"
 
 
 def test_chat_answers_sensibly(llm):

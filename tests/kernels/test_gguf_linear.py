@@ -115,3 +115,24 @@ def test_types_and_shapes_that_do_not_fit_are_refused():
         gguf_linear(x.double(), data, Q.Q4_0, 64)
     with pytest.raises(KernelError, match=r"`bias` must be float32 \[2\]"):
         gguf_linear(x, data, Q.Q4_0, 64, torch.zeros(3))
+
+
+@pytest.mark.parametrize("rows", [1, 3, 33])
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0])
+def test_interleaved_groups_match_dequantize_then_matmul_and_give_the_blocks_back(qtype, rows):
+    # 37 rows: two whole groups of 16 and a padded one; stacked beside a file-layout weight.
+    from ferrollm.kernels.cpu.gguf import deinterleave, interleave
+
+    data = _blocks(qtype, 37, IN_FEATURES, 3)
+    other = _blocks(Q.Q6_K, 5, IN_FEATURES, 4)
+    blocks = interleave(torch.from_numpy(data), qtype, IN_FEATURES)
+    assert blocks.data.numel() == 48 * data.shape[1]  # the file's bytes, padded to whole groups
+    assert torch.equal(deinterleave(blocks, IN_FEATURES), torch.from_numpy(data))
+    w = torch.cat([dequantize(data, qtype, (37, IN_FEATURES)), dequantize(other, Q.Q6_K, (5, IN_FEATURES))])
+    x = torch.randn(rows, IN_FEATURES, generator=torch.Generator().manual_seed(rows)) * 3
+    bias = torch.randn(42)
+    got = gguf_linear_stacked(x, [blocks, (torch.from_numpy(other), Q.Q6_K)], IN_FEATURES, bias)
+    want, bound = _reference(x, w, bias, 32)
+    assert ((got.double() - want).abs() / bound).max().item() <= 1.0
+    with pytest.raises(KernelError, match="Q4_0, Q4_1 or Q8_0"):
+        interleave(torch.from_numpy(other), Q.Q6_K, IN_FEATURES)

@@ -61,3 +61,25 @@ def test_sharded_state_tensors_round_trip_through_the_cpu_packing(kind):
     again = _SavedMethod().make(saved_tensors(form.saved_weight()))
     assert type(again) is type(weight)
     torch.testing.assert_close(again.dequantize(), weight.dequantize(), atol=0, rtol=0)
+
+
+def test_a_gguf_form_re_laid_in_groups_saves_the_file_s_blocks():
+    """Q4_0/Q8_0 segments are re-laid in 16-row groups where the CPU runs those (a Q5_0 beside
+    them stays as the file holds it); what save_sharded_state reads back is the file's blocks."""
+    from gguf import GGMLQuantizationType as Q, GGML_QUANT_SIZES, quants
+
+    from ferrollm.kernels.cpu.gguf import InterleavedBlocks, gguf_linear_stacked, interleave_preferred
+
+    rng = torch.Generator().manual_seed(0)
+    parts = []
+    for qtype, rows in ((Q.Q4_0, 40), (Q.Q8_0, 8), (Q.Q5_0, 8)):
+        data = torch.from_numpy(quants.quantize((torch.randn(rows, 256, generator=rng) * 0.1).numpy(), qtype))
+        parts.append(qw.GGUFWeight(data, int(qtype), 256, *GGML_QUANT_SIZES[qtype]))
+    form = QuantizedLinear(parts, torch.device("cpu"))
+    kinds = [isinstance(s, InterleavedBlocks) for s in form.segments]
+    assert kinds == [interleave_preferred(Q.Q4_0), interleave_preferred(Q.Q8_0), False]
+    saved = form.saved_weight()
+    assert all(torch.equal(s.data, p.data) for s, p in zip(saved, parts))
+    x = torch.randn(3, 256, generator=rng)
+    plain = gguf_linear_stacked(x, [(p.data, p.ggml_type) for p in parts], 256)
+    torch.testing.assert_close(form.linear(x, None), plain, rtol=1e-5, atol=1e-5)

@@ -22,11 +22,12 @@ use pyo3::types::PyTuple;
 
 use crate::buffers::{view, view_mut, Buffer};
 use crate::errors::{kernel_error, raise};
+use crate::gguf::WeightSpec;
 
 /// A linear layer's form and where its tensors are.
 #[derive(Clone)]
 enum LinearSpec {
-    Gguf { in_features: usize, weights: Vec<(GgmlType, Buffer, usize, usize)> },
+    Gguf { in_features: usize, weights: Vec<(GgmlType, Buffer, usize, usize, bool)> },
     Wq { bits: u32, q: Buffer, scales: Buffer, mins: Option<Buffer>, out: usize, inp: usize, group: usize },
     W8a8 { packed: Buffer, scale: Buffer, act: ActQuant, out: usize, inp: usize },
 }
@@ -37,13 +38,13 @@ impl LinearSpec {
         let rest = spec.get_slice(1, spec.len());
         Ok(match form.as_str() {
             "gguf" => {
-                let (in_features, raw): (usize, Vec<(u32, Buffer, usize, usize)>) = rest.extract()?;
+                let (in_features, raw): (usize, Vec<WeightSpec>) = rest.extract()?;
                 let mut weights = Vec::with_capacity(raw.len());
-                for (id, data, stride, out) in raw {
+                for (id, data, stride, out, interleaved) in raw {
                     let Some(t) = GgmlType::from_id(id) else {
                         return Err(raise("KernelError", format!("GGML type {id} has no block product")));
                     };
-                    weights.push((t, data, stride, out));
+                    weights.push((t, data, stride, out, interleaved));
                 }
                 LinearSpec::Gguf { in_features, weights }
             }
@@ -75,12 +76,13 @@ impl LinearSpec {
             LinearSpec::Gguf { in_features, ref weights } => Linear::Gguf(
                 weights
                     .iter()
-                    .map(|&(ggml_type, data, row_stride, out_features)| QuantWeight {
+                    .map(|&(ggml_type, data, row_stride, out_features, interleaved)| QuantWeight {
                         ggml_type,
                         data: view::<u8>(data),
                         row_stride,
                         out_features,
                         in_features,
+                        interleaved,
                     })
                     .collect(),
             ),

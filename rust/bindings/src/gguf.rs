@@ -4,7 +4,7 @@
 //! tensor's bytes (usually a view of the memory-mapped file), `out` a contiguous float32 or
 //! bfloat16 tensor the caller has just allocated. The one caller is `ferrollm.kernels.cpu.gguf`.
 
-use ferrollm_kernels::quant::{self, dequantize, GgmlType, QuantWeight};
+use ferrollm_kernels::quant::{self, dequantize, interleaved, GgmlType, QuantWeight};
 use ferrollm_kernels::{Bf16, Element};
 use pyo3::prelude::*;
 
@@ -41,6 +41,10 @@ pub fn cpu_gguf_dequantize(
     }
 }
 
+/// One stacked weight of `cpu_gguf_linear` (and the one-call decoder): `(ggml_type, (address,
+/// bytes), row_stride, out_features, interleaved)`.
+pub(crate) type WeightSpec = (u32, (usize, usize), usize, usize, bool);
+
 /// Whether `cpu_gguf_linear` computes from blocks of the GGML type with this id.
 #[pyfunction]
 pub fn cpu_gguf_linear_supported(ggml_type: u32) -> bool {
@@ -49,14 +53,15 @@ pub fn cpu_gguf_linear_supported(ggml_type: u32) -> bool {
 
 /// `out[rows, Σ out_features] = x[rows, in_features] · [W₀; W₁; …]ᵀ + bias` (float32): the
 /// weights stacked along the output features, each `(ggml_type, (address, bytes), row_stride,
-/// out_features)`, its bytes spanning row 0's first byte to the last row's last, row `n`
-/// starting `n * row_stride` bytes in.
+/// out_features, interleaved)`, its bytes spanning row 0's first byte to the last row's last, row
+/// `n` starting `n * row_stride` bytes in, or (`interleaved`) the rows as `cpu_gguf_interleave`
+/// re-laid them.
 #[pyfunction]
 #[pyo3(signature = (weights, in_features, x, rows, bias, out, threads))]
 #[allow(clippy::too_many_arguments)]
 pub fn cpu_gguf_linear(
     py: Python<'_>,
-    weights: Vec<(u32, (usize, usize), usize, usize)>,
+    weights: Vec<WeightSpec>,
     in_features: usize,
     x: (usize, usize),
     rows: usize,
@@ -65,18 +70,73 @@ pub fn cpu_gguf_linear(
     threads: usize,
 ) -> PyResult<()> {
     let mut stacked = Vec::with_capacity(weights.len());
-    for (ggml_type, data, row_stride, out_features) in weights {
+    for (ggml_type, data, row_stride, out_features, interleaved) in weights {
         let Some(ggml_type) = GgmlType::from_id(ggml_type) else {
             return Err(raise("KernelError", format!("GGML type {ggml_type} has no block product")));
         };
         // SAFETY: the caller passes live buffers of these lengths (see the module doc), which
         // nothing writes during the call.
         let data = unsafe { view::<u8>(data) };
-        stacked.push(QuantWeight { ggml_type, data, row_stride, out_features, in_features });
+        stacked.push(QuantWeight { ggml_type, data, row_stride, out_features, in_features, interleaved });
     }
     // SAFETY: as above; `out` is a fresh tensor aliasing nothing.
     let (x, bias, out) = unsafe { (view::<f32>(x), bias.map(|b| view::<f32>(b)), view_mut::<f32>(out)) };
     py.detach(|| quant::matmul_stacked(&stacked, x, rows, bias, out, threads)).map_err(kernel_error)
+}
+
+/// Whether the Q4_0/Q4_1/Q8_0 group layout (`ferrollm_kernels::quant::interleaved`) pays for
+/// the GGML type with this id on this CPU.
+#[pyfunction]
+pub fn cpu_gguf_interleave_preferred(ggml_type: u32) -> bool {
+    GgmlType::from_id(ggml_type).is_some_and(interleaved::preferred)
+}
+
+/// Bytes of an `[out_features, in_features]` weight of the GGML type once interleaved (0 for a
+/// type without the layout).
+#[pyfunction]
+pub fn cpu_gguf_interleaved_len(ggml_type: u32, out_features: usize, in_features: usize) -> usize {
+    GgmlType::from_id(ggml_type).map_or(0, |t| interleaved::interleaved_len(t, out_features, in_features))
+}
+
+/// Re-lays `out_features` rows of blocks (`rows`: `(address, bytes)`, row `n` at `n *
+/// row_stride`) into `dst` (`(address, bytes)`, a fresh buffer of `cpu_gguf_interleaved_len`).
+#[pyfunction]
+pub fn cpu_gguf_interleave(
+    py: Python<'_>,
+    ggml_type: u32,
+    rows: (usize, usize),
+    row_stride: usize,
+    out_features: usize,
+    in_features: usize,
+    dst: (usize, usize),
+) -> PyResult<()> {
+    let t = type_of(ggml_type)?;
+    // SAFETY: the caller passes live buffers of these lengths; `dst` is fresh and aliases nothing.
+    let (rows, dst) = unsafe { (view::<u8>(rows), view_mut::<u8>(dst)) };
+    py.detach(|| interleaved::interleave(t, rows, row_stride, out_features, in_features, dst))
+        .map_err(kernel_error)
+}
+
+/// The inverse of `cpu_gguf_interleave`: the rows back to back in `dst` (`out_features` rows of
+/// the type's blocks).
+#[pyfunction]
+pub fn cpu_gguf_deinterleave(
+    py: Python<'_>,
+    ggml_type: u32,
+    src: (usize, usize),
+    out_features: usize,
+    in_features: usize,
+    dst: (usize, usize),
+) -> PyResult<()> {
+    let t = type_of(ggml_type)?;
+    // SAFETY: as in `cpu_gguf_interleave`.
+    let (src, dst) = unsafe { (view::<u8>(src), view_mut::<u8>(dst)) };
+    py.detach(|| interleaved::deinterleave(t, src, out_features, in_features, dst)).map_err(kernel_error)
+}
+
+fn type_of(id: u32) -> PyResult<GgmlType> {
+    GgmlType::from_id(id)
+        .ok_or_else(|| raise("KernelError", format!("GGML type {id} is not a known block type")))
 }
 
 fn run<T: Element>(

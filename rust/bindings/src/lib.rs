@@ -51,6 +51,10 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     gemm_bf16::register(m)?;
     m.add_function(wrap_pyfunction!(gguf::cpu_gguf_linear_supported, m)?)?;
     m.add_function(wrap_pyfunction!(gguf::cpu_gguf_linear, m)?)?;
+    m.add_function(wrap_pyfunction!(gguf::cpu_gguf_interleave_preferred, m)?)?;
+    m.add_function(wrap_pyfunction!(gguf::cpu_gguf_interleaved_len, m)?)?;
+    m.add_function(wrap_pyfunction!(gguf::cpu_gguf_interleave, m)?)?;
+    m.add_function(wrap_pyfunction!(gguf::cpu_gguf_deinterleave, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

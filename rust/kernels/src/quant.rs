@@ -23,6 +23,7 @@ mod act;
 pub mod blocks;
 mod dot;
 pub mod fp8;
+pub mod interleaved;
 pub mod matmul;
 mod subblocks;
 mod tiled;

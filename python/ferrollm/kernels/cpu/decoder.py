@@ -169,7 +169,7 @@ def _layer_spec(layer: nn.Module, held: list[torch.Tensor]) -> tuple:
 def _linear_spec(proj: nn.Module, held: list[torch.Tensor]) -> tuple | None:
     """The Rust description of ``proj``'s weight (see ``rust/bindings/src/decoder.rs``), or None
     for a form the one-call path does not take; its tensors are added to ``held``."""
-    from ferrollm.kernels.cpu.gguf import _weight_buffer
+    from ferrollm.kernels.cpu.gguf import segment_buffer
     from ferrollm.model_executor.layers.quantization import qweights as qw
     from ferrollm.model_executor.layers.quantization.forms import QuantizedLinear
 
@@ -177,8 +177,8 @@ def _linear_spec(proj: nn.Module, held: list[torch.Tensor]) -> tuple | None:
     if not isinstance(form, QuantizedLinear) or not form.on_cpu:
         return None
     if form.kind == "gguf":
-        held += [data for data, _ in form.segments]
-        return ("gguf", form.in_features, [_weight_buffer(d, t, form.in_features) for d, t in form.segments])
+        held += form.segment_tensors()
+        return ("gguf", form.in_features, [segment_buffer(s, form.in_features) for s in form.segments])
     w = form.source
     if isinstance(w, qw.IntWeight) and w.perm is None:
         held += [form.packed, w.scales] + ([] if w.mins is None else [w.mins])

@@ -15,13 +15,15 @@
 //!
 //! Invariants: weight row `n` starts at byte `n · row_stride` and holds `in_features /
 //! block_len` whole blocks; a tensor-parallel shard is such a view (the caller slices whole
-//! blocks). Results differ from `x · dequantize(W)ᵀ` by the activation rounding bounded in
+//! blocks). An `interleaved` weight is instead Q4_0, Q4_1 or Q8_0 re-laid in groups of 16 rows
+//! ([`super::interleaved`]); a thread then takes the groups whose first row falls in its share. Results differ from `x · dequantize(W)ᵀ` by the activation rounding bounded in
 //! [`super::act`].
 
 use std::ops::Range;
 
 use super::act::{QuantizedRows, Row};
 use super::dot::{rows_dot, Isa, RowsDot};
+use super::interleaved::{self, group_dot, GroupDot, GROUP};
 use super::GgmlType;
 use crate::error::check_len;
 use crate::{openmp, KernelError};
@@ -45,12 +47,19 @@ pub struct QuantWeight<'a> {
     pub out_features: usize,
     /// A multiple of the type's block length.
     pub in_features: usize,
+    /// `data` holds the rows re-laid by [`interleaved::interleave`] (`row_stride` unused).
+    pub interleaved: bool,
 }
 
 impl QuantWeight<'_> {
     /// Bytes of one row's blocks.
     pub fn row_bytes(&self) -> usize {
         self.in_features / self.ggml_type.block_len() * self.ggml_type.block_bytes()
+    }
+
+    /// Bytes of one group of an interleaved weight.
+    fn group_bytes(&self) -> usize {
+        GROUP * self.row_bytes()
     }
 
     fn row(&self, n: usize) -> &[u8] {
@@ -73,6 +82,9 @@ impl QuantWeight<'_> {
                 value: self.in_features as i64,
             });
         }
+        if self.interleaved {
+            return self.check_interleaved();
+        }
         if self.out_features > 1 && self.row_stride < self.row_bytes() {
             return Err(KernelError::Value {
                 name: "row_stride",
@@ -89,6 +101,25 @@ impl QuantWeight<'_> {
                     "at least {needed} bytes ({} rows of stride {})",
                     self.out_features, self.row_stride
                 ),
+                value: self.data.len() as i64,
+            });
+        }
+        Ok(())
+    }
+
+    fn check_interleaved(&self) -> Result<(), KernelError> {
+        if !interleaved::supported(self.ggml_type) {
+            return Err(KernelError::Value {
+                name: "ggml_type",
+                limit: "Q4_0, Q4_1 or Q8_0 for an interleaved weight".into(),
+                value: self.ggml_type as i64,
+            });
+        }
+        let needed = interleaved::interleaved_len(self.ggml_type, self.out_features, self.in_features);
+        if self.data.len() < needed {
+            return Err(KernelError::Value {
+                name: "data",
+                limit: format!("at least {needed} bytes ({} interleaved rows)", self.out_features),
                 value: self.data.len() as i64,
             });
         }
@@ -173,7 +204,7 @@ pub fn matmul_stacked_on(
                 x: quantized.for_type(weight.ggml_type),
                 rows,
                 bias: bias.map(|b| &b[offset..offset + weight.out_features]),
-                kernels: Kernels::new(weight.ggml_type, isa),
+                kernels: Kernels::new(weight, isa),
                 offset,
                 out_stride: out_features,
             };
@@ -221,23 +252,30 @@ impl Quantized {
     }
 }
 
-/// The products for tiles of 1 to [`MAX_TILE`] rows.
-struct Kernels {
-    one: RowsDot<1>,
-    two: RowsDot<2>,
-    three: RowsDot<3>,
-    four: RowsDot<4>,
+/// The products for tiles of 1 to [`MAX_TILE`] rows, of single weight rows or of groups.
+enum Kernels {
+    Rows(RowsDot<1>, RowsDot<2>, RowsDot<3>, RowsDot<4>),
+    Groups(GroupDot<1>, GroupDot<2>, GroupDot<3>, GroupDot<4>),
 }
 
 impl Kernels {
-    fn new(t: GgmlType, isa: Isa) -> Self {
-        let missing = "checked by QuantWeight::check";
-        Kernels {
-            one: rows_dot(t, isa).expect(missing),
-            two: rows_dot(t, isa).expect(missing),
-            three: rows_dot(t, isa).expect(missing),
-            four: rows_dot(t, isa).expect(missing),
+    fn new(weight: &QuantWeight<'_>, isa: Isa) -> Self {
+        let t = weight.ggml_type;
+        if let Some(format) = weight.interleaved.then(|| interleaved::Format::of(t)).flatten() {
+            return Kernels::Groups(
+                group_dot(format, isa),
+                group_dot(format, isa),
+                group_dot(format, isa),
+                group_dot(format, isa),
+            );
         }
+        let missing = "checked by QuantWeight::check";
+        Kernels::Rows(
+            rows_dot(t, isa).expect(missing),
+            rows_dot(t, isa).expect(missing),
+            rows_dot(t, isa).expect(missing),
+            rows_dot(t, isa).expect(missing),
+        )
     }
 }
 
@@ -260,22 +298,64 @@ impl Job<'_> {
     /// `out` addresses `rows * out_stride` floats of which no other thread writes the columns
     /// `offset + span`; the kernels run on this CPU.
     unsafe fn run(&self, span: Range<usize>, out: &openmp::SharedMut<f32>) {
-        let chunk = (CHUNK_BYTES / self.weight.row_bytes().max(1)).max(1);
+        // Interleaved weights go by groups: those whose first row is in `span`.
+        let (span, unit_bytes) = match self.kernels {
+            Kernels::Rows(..) => (span, self.weight.row_bytes()),
+            Kernels::Groups(..) => {
+                (span.start.div_ceil(GROUP)..span.end.div_ceil(GROUP), self.weight.group_bytes())
+            }
+        };
+        let chunk = (CHUNK_BYTES / unit_bytes.max(1)).max(1);
         let mut start = span.start;
         while start < span.end {
-            let features = start..(start + chunk).min(span.end);
+            let units = start..(start + chunk).min(span.end);
             let mut first = 0;
             while first < self.rows {
                 let x = |r: usize| self.x.row(first + r);
-                match self.rows - first {
-                    1 => self.tile(self.kernels.one, features.clone(), [x(0)], first, out),
-                    2 => self.tile(self.kernels.two, features.clone(), [x(0), x(1)], first, out),
-                    3 => self.tile(self.kernels.three, features.clone(), [x(0), x(1), x(2)], first, out),
-                    _ => self.tile(self.kernels.four, features.clone(), [x(0), x(1), x(2), x(3)], first, out),
+                let u = units.clone();
+                match (&self.kernels, self.rows - first) {
+                    (Kernels::Rows(one, ..), 1) => self.tile(*one, u, [x(0)], first, out),
+                    (Kernels::Rows(_, two, ..), 2) => self.tile(*two, u, [x(0), x(1)], first, out),
+                    (Kernels::Rows(_, _, three, _), 3) => {
+                        self.tile(*three, u, [x(0), x(1), x(2)], first, out)
+                    }
+                    (Kernels::Rows(.., four), _) => self.tile(*four, u, [x(0), x(1), x(2), x(3)], first, out),
+                    (Kernels::Groups(one, ..), 1) => self.groups(*one, u, [x(0)], first, out),
+                    (Kernels::Groups(_, two, ..), 2) => self.groups(*two, u, [x(0), x(1)], first, out),
+                    (Kernels::Groups(_, _, three, _), 3) => {
+                        self.groups(*three, u, [x(0), x(1), x(2)], first, out)
+                    }
+                    (Kernels::Groups(.., four), _) => {
+                        self.groups(*four, u, [x(0), x(1), x(2), x(3)], first, out)
+                    }
                 }
                 first += MAX_TILE;
             }
-            start = features.end;
+            start = units.end;
+        }
+    }
+
+    /// Rows `first..first + M` of `x` against the interleaved weight's groups `groups`.
+    ///
+    /// # Safety
+    /// As [`Job::run`]; the weight is interleaved and the kernels match its format.
+    unsafe fn groups<const M: usize>(
+        &self,
+        dot: GroupDot<M>,
+        groups: Range<usize>,
+        xs: [Row<'_>; M],
+        first: usize,
+        out: &openmp::SharedMut<f32>,
+    ) {
+        let blocks = self.weight.in_features / super::act::BLOCK;
+        for g in groups {
+            let dots = dot(self.weight.data.as_ptr().add(g * self.weight.group_bytes()), blocks, &xs);
+            for n in g * GROUP..(g * GROUP + GROUP).min(self.weight.out_features) {
+                let bias = self.bias.map_or(0.0, |b| b[n]);
+                for (r, dots) in dots.iter().enumerate() {
+                    *out.get().add((first + r) * self.out_stride + self.offset + n) = dots[n % GROUP] + bias;
+                }
+            }
         }
     }
 
@@ -327,7 +407,14 @@ mod tests {
         for t in [GgmlType::Q4_0, GgmlType::Q8_0, GgmlType::Q4K, GgmlType::Q6K] {
             let (out_features, in_features) = (13, 2 * t.block_len().max(64));
             let (data, dense, stride) = weight(t, out_features, in_features, 7);
-            let w = QuantWeight { ggml_type: t, data: &data, row_stride: stride, out_features, in_features };
+            let w = QuantWeight {
+                ggml_type: t,
+                data: &data,
+                row_stride: stride,
+                out_features,
+                in_features,
+                interleaved: false,
+            };
             for rows in [1, 3, 6] {
                 let (x, b) = (values(rows * in_features, 3), values(out_features, 4));
                 let mut out = vec![0.0f32; rows * out_features];
@@ -357,6 +444,7 @@ mod tests {
                 row_stride: *stride,
                 out_features,
                 in_features,
+                interleaved: false,
             })
             .collect();
         let total: usize = parts.iter().map(|p| p.1).sum();
@@ -390,6 +478,7 @@ mod tests {
             row_stride: 18,
             out_features: 2,
             in_features: 32,
+            interleaved: false,
         };
         let mut out = vec![0.0f32; 2];
         let run = |w: &QuantWeight<'_>, out: &mut [f32]| {

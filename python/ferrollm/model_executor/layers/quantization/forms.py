@@ -3,13 +3,18 @@
 Built once per layer from the `qweights` row blocks its loaders collected (q, k, v; gate, up; this
 rank's slice), then kept as the only copy: packed for the CPU kernels (`ferrollm.kernels.cpu.quant`,
 `ferrollm.kernels.cpu.gguf`) or the Triton ones (`ferrollm.kernels.triton.quant`) by the device the
-weight lives on. GGUF blocks stay views of the file's mapping.
+weight lives on. GGUF blocks stay views of the file's mapping, except Q4_0, Q4_1 and Q8_0 where
+the CPU runs their 16-row group product (AVX512-VNNI): those are re-laid once
+(`ferrollm.kernels.cpu.gguf.interleave`, the same bytes) and the file's pages handed back.
 
 Products take float activations ``[rows, in]`` in the model's dtype; the CPU kernels compute in
 float32, so a bf16 model's rows are converted on the way in and out.
 """
 
 from __future__ import annotations
+
+import dataclasses
+import os
 
 import torch
 
@@ -37,8 +42,10 @@ class QuantizedLinear:
         if isinstance(w, list):  # GGUF segments, each read where the file holds it (CPU only)
             self.kind = "gguf"
             # Stacked along the output features in one kernel call (q, k, v; gate, up).
-            self.segments = [(s.data, s.ggml_type) for s in w]
+            self.segments = [_gguf_segment(s) for s in w]
             self.in_features = w[0].in_features
+            # Interleaved segments hold the only copy: their source keeps just its shape.
+            self.source = [s if isinstance(g, tuple) else _shape_only(s) for s, g in zip(w, self.segments)]
             return
         self.kind = type(w).__name__
         on_cpu = self.on_cpu
@@ -97,7 +104,7 @@ class QuantizedLinear:
         saving sharded state)."""
         w = self.source
         if self.kind == "gguf" or isinstance(w, list):
-            return w
+            return [s if isinstance(g, tuple) else _deinterleaved(s, g) for s, g in zip(w, self.segments)]
         in_features = self.in_features
         if isinstance(w, qw.IntWeight):
             q = self.packed if w.bits == 8 else _unpack_int4(self.packed, in_features, self.on_cpu)
@@ -108,15 +115,43 @@ class QuantizedLinear:
         assert isinstance(w, qw.Fp8Weight)
         return qw.Fp8Weight(self.packed, w.scale, w.block, w.input_quant, w.input_scale)
 
+    def segment_tensors(self) -> list[torch.Tensor]:
+        """The tensors a GGUF form's product reads (file views or interleaved copies)."""
+        return [s[0] if isinstance(s, tuple) else s.data for s in getattr(self, "segments", [])]
+
     def tensors(self) -> dict[int, int]:
         """Bytes held, by address (for the start-up log's weight bytes)."""
-        held = [self.packed] if hasattr(self, "packed") else [d for d, _ in getattr(self, "segments", [])]
+        held = [self.packed] if hasattr(self, "packed") else self.segment_tensors()
         w = self.source
         for name in ("scales", "mins", "scale"):
             t = getattr(w, name, None)
             if isinstance(t, torch.Tensor):
                 held.append(t)
         return {t.data_ptr(): t.numel() * t.element_size() for t in held if t.numel()}
+
+
+def _gguf_segment(w: qw.GGUFWeight):
+    """A GGUF weight as the block product reads it: re-laid in 16-row groups where this CPU runs
+    those (the file's pages then handed back), else the file's own blocks.
+    ``FERROLLM_GGUF_INTERLEAVE=0`` keeps the file's blocks (to compare the two)."""
+    from ferrollm.kernels.cpu.gguf import interleave, interleave_preferred
+    from ferrollm.model_executor.layers.cpu_weights import release_pages
+
+    if not interleave_preferred(w.ggml_type) or w.data.shape[0] == 0 or os.environ.get("FERROLLM_GGUF_INTERLEAVE") == "0":
+        return (w.data, w.ggml_type)
+    blocks = interleave(w.data, w.ggml_type, w.in_features)
+    release_pages(w.data)
+    return blocks
+
+
+def _shape_only(w: qw.GGUFWeight) -> qw.GGUFWeight:
+    return dataclasses.replace(w, data=torch.empty((w.data.shape[0], 0), dtype=torch.uint8))
+
+
+def _deinterleaved(w: qw.GGUFWeight, blocks) -> qw.GGUFWeight:
+    from ferrollm.kernels.cpu.gguf import deinterleave
+
+    return dataclasses.replace(w, data=deinterleave(blocks, w.in_features))
 
 
 def _fp8_per_token(k, x: torch.Tensor, weight: torch.Tensor, w: qw.Fp8Weight, bias: torch.Tensor | None) -> torch.Tensor:
