@@ -27,6 +27,8 @@ from ferrollm.model_executor.weight_utils import check_shape, copy_weight, share
 __all__ = ["DEFAULT_VOCAB_PADDING_SIZE", "ParallelLMHead", "VocabParallelEmbedding", "pad_vocab_size"]
 
 DEFAULT_VOCAB_PADDING_SIZE = 64
+# Bytes of the table a head's CPU form is built from at a time.
+TABLE_BLOCK_BYTES = 32 << 20
 
 
 def pad_vocab_size(vocab_size: int, pad_to: int = DEFAULT_VOCAB_PADDING_SIZE) -> int:
@@ -160,7 +162,12 @@ class ParallelLMHead(VocabParallelEmbedding):
             return
         if form is None or self._cpu is not None:
             return
-        self._cpu = build_cpu_weight(form, [(0, self.weight.detach())], *self.weight.shape)
+        table = self.weight.detach()
+        # In row blocks: each block's file pages are handed back once packed, so packing a 545 MB
+        # table never holds both it and its packed copy whole.
+        step = max(1, TABLE_BLOCK_BYTES // max(1, table.shape[1] * table.element_size()))
+        blocks = [(first, table[first:first + step]) for first in range(0, table.shape[0], step)]
+        self._cpu = build_cpu_weight(form, blocks, *table.shape)
         if hasattr(self._cpu, "rows"):
             self.weight.packed_by_head = self._cpu
             # Emptied in place (as for GGUF), not replaced: a tied embedding holds the same parameter.
