@@ -22,6 +22,7 @@ from ferrollm.entrypoints.openai.protocol import (
     error_body,
 )
 from ferrollm.exceptions import InvalidRequestError
+from ferrollm.multimodal.chat import extract_images, processor_chat_template
 from ferrollm.outputs import CompletionOutput, RequestOutput
 from ferrollm.pooling_params import PoolingParams
 from ferrollm.v1.engine.async_llm import AsyncLLM
@@ -42,6 +43,8 @@ class OpenAIServing:
         self.chat_template = chat_template
         self.tokenizer = engine.engine.tokenizers.hf
         self.max_model_len = engine.model_config.max_model_len
+        # Multimodal checkpoints may keep their template beside the processor instead.
+        self.processor_chat_template = processor_chat_template(engine.model_config.source.folder)
 
     # -- completions --------------------------------------------------------------------------
 
@@ -105,7 +108,9 @@ class OpenAIServing:
         top = (req.top_logprobs or 0) if req.logprobs else None
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        gen = self.engine.generate(prompt, self._params(req, max_tokens, top, prompt), rid)
+        # The rendered template holds the special tokens (an image prompt is tokenized later).
+        gen = self.engine.generate(prompt, self._params(req, max_tokens, top, prompt), rid,
+                                   tokenization_kwargs={"add_special_tokens": False})
         head = {"id": rid, "created": int(time.time()), "model": self.model_name}
         if req.stream:
             return await _sse(self._chat_chunks(req, gen, head))
@@ -134,10 +139,14 @@ class OpenAIServing:
 
     def render_chat(self, messages: list, add_generation_prompt: bool, template: str | None = None,
                     continue_final_message: bool = False, kwargs: dict | None = None) -> dict[str, Any]:
-        """The conversation through the chat template, as a tokens prompt (the template holds
-        the special tokens, so none are added)."""
-        conv = [{"role": m.role, "content": _text_content(m.content, i)} for i, m in enumerate(messages)]
-        template = template or self.chat_template
+        """The conversation through the chat template: a tokens prompt (the template holds the
+        special tokens, so none are added), or with image parts (``image_url``: a ``data:`` URL
+        or a local path) the text and its ``multi_modal_data``, as `LLM.chat` makes them."""
+        conv = [{"role": m.role, "content": _content(m.content)} for m in messages]
+        conv, images = extract_images(conv)
+        if not images:  # text parts join into one string, which any template takes
+            conv = [{**m, "content": _text_content(m["content"], i)} for i, m in enumerate(conv)]
+        template = template or self.chat_template or self.processor_chat_template
         if template is None and getattr(self.tokenizer, "chat_template", None) is None:
             raise InvalidRequestError("`chat_template` must be given: the model's tokenizer has none "
                                       "(start the server with --chat-template)")
@@ -147,6 +156,8 @@ class OpenAIServing:
                 continue_final_message=continue_final_message, **(kwargs or {}))
         except Exception as e:  # jinja errors name what the template wanted
             raise InvalidRequestError(f"the chat template failed on `messages`: {e}") from e
+        if images:
+            return {"prompt": text, "multi_modal_data": {"image": images}}
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         return {"prompt": text, "prompt_token_ids": ids}
 
@@ -167,20 +178,31 @@ def _completion_prompts(prompt: Any) -> list[Any]:
 
 
 def _prompt_len(prompt: Any, tokenizer: Any) -> int:
+    """Tokens of a prompt before any image placeholders are expanded (the core caps the output
+    at `max_model_len` in any case)."""
     if isinstance(prompt, dict):
-        return len(prompt["prompt_token_ids"])
+        if "prompt_token_ids" in prompt:
+            return len(prompt["prompt_token_ids"])
+        prompt = prompt["prompt"]
     return len(tokenizer(prompt)["input_ids"])
 
 
-def _text_content(content: Any, index: int) -> str:
-    """A message's text; a list of parts must be text parts."""
+def _content(content: Any) -> Any:
+    """A message's content as plain data (parts as dicts)."""
     if content is None or isinstance(content, str):
         return content or ""
+    return [p if isinstance(p, dict) else p.model_dump() for p in content]
+
+
+def _text_content(content: Any, index: int) -> str:
+    """A text-only message's text: its text parts joined by newlines."""
+    if isinstance(content, str):
+        return content
     parts = []
     for part in content:
         if part.get("type") != "text":
-            raise InvalidRequestError(f"`messages[{index}].content` parts must be of type 'text' (images are not "
-                                      f"served yet). Given: {part.get('type')!r}")
+            raise InvalidRequestError(f"`messages[{index}].content` parts must be of type 'text' or 'image_url'. "
+                                      f"Given: {part.get('type')!r}")
         parts.append(part.get("text", ""))
     return "\n".join(parts)
 

@@ -20,6 +20,7 @@ import logging
 import threading
 import time
 from collections.abc import AsyncGenerator, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from ferrollm.engine.arg_utils import EngineArgs
@@ -28,6 +29,7 @@ from ferrollm.entrypoints.llm import _fan_out
 from ferrollm.entrypoints.output_builder import LogprobDecoder
 from ferrollm.entrypoints.prompts import multimodal_fields, normalize_prompts
 from ferrollm.exceptions import InvalidRequestError
+from ferrollm.multimodal.requests import process_multimodal
 from ferrollm.outputs import PoolingOutput, PoolingRequestOutput, RequestOutput
 from ferrollm.pooling_params import PoolingParams
 from ferrollm.sampling_params import RequestOutputKind, SamplingParams
@@ -35,6 +37,17 @@ from ferrollm.v1.engine.request_stream import ABORTED, Delivery, PoolingStream, 
 
 logger = logging.getLogger("ferrollm")
 _NOTHING = object()
+
+
+@dataclass(frozen=True)
+class _Submission:
+    """What the step thread needs to add one request: its normalized prompt, its multimodal
+    fields (processed there, off the event loop) and how to tokenize it."""
+
+    items: list
+    fields: list
+    priority: int
+    add_special_tokens: bool
 
 
 class AsyncLLM:
@@ -69,16 +82,20 @@ class AsyncLLM:
     # -- the caller's side (event loop) -------------------------------------------------------
 
     async def generate(self, prompt: Any, sampling_params: SamplingParams | None, request_id: str,
-                       *, priority: int = 0, **_: Any) -> AsyncGenerator[RequestOutput, None]:
+                       *, priority: int = 0, tokenization_kwargs: dict[str, Any] | None = None,
+                       **_: Any) -> AsyncGenerator[RequestOutput, None]:
         """Submits one prompt and yields its `RequestOutput`s as tokens arrive.
 
         Args:
-            prompt: A string, `{"prompt": ...}` or `{"prompt_token_ids": [...]}` (multimodal
-                data is not supported here yet).
+            prompt: A string, `{"prompt": ...}` or `{"prompt_token_ids": [...]}`, either dict
+                with `multi_modal_data` (and `mm_processor_kwargs`) as `LLM.generate` takes them;
+                its images are processed on the step thread.
             sampling_params: The request's parameters (None: the model's defaults). Its
                 `output_kind` picks cumulative outputs, deltas or the final output only.
             request_id: Unique among running requests.
             priority: Lower runs first under `scheduling_policy="priority"`.
+            tokenization_kwargs: `{"add_special_tokens": False}` for a text that already holds
+                them (a rendered chat template), as in vLLM.
 
         Yields:
             `RequestOutput`s; the last has `finished=True`. Closing the generator early (or
@@ -88,7 +105,8 @@ class AsyncLLM:
             InvalidRequestError: a bad prompt or parameters, or a request id already running.
             Exception: whatever failed the step that held this request.
         """
-        stream = self._submit(prompt, sampling_params, request_id, priority)
+        add_special = bool((tokenization_kwargs or {}).get("add_special_tokens", True))
+        stream = self._submit(prompt, sampling_params, request_id, priority, add_special)
         aggregate = stream.params.output_kind == RequestOutputKind.DELTA
         finished = False
         leftover: Any = _NOTHING
@@ -201,19 +219,19 @@ class AsyncLLM:
         self._pooling.clear()
         self.engine.close()
 
-    def _submit(self, prompt: Any, params: SamplingParams | None, request_id: str, priority: int) -> RequestStream:
+    def _submit(self, prompt: Any, params: SamplingParams | None, request_id: str, priority: int,
+                add_special_tokens: bool = True) -> RequestStream:
         if self.engine.model_config.is_pooling:
             from ferrollm.entrypoints.llm import _not_generative
 
             raise InvalidRequestError(_not_generative(self.engine))
-        if any(mm != (None, None) for mm in multimodal_fields(prompt)):
-            raise NotImplementedError("AsyncLLM does not take multi_modal_data yet (LLM.generate does)")
         items = normalize_prompts(prompt, self.engine.vocab_size)
         if len(items) != 1:
             raise InvalidRequestError(f"`prompt` must be one prompt. Given: {len(items)}")
         params = params if params is not None else self.get_default_sampling_params()
         stream = RequestStream(request_id, items[0][0], params, asyncio.get_running_loop())
-        self._send(lambda: self._add(stream, items[0][1], priority))
+        request = _Submission(items, multimodal_fields(prompt), priority, add_special_tokens)
+        self._send(lambda: self._add(stream, request))
         return stream
 
     def _send(self, command: Callable[[], None]) -> None:
@@ -249,15 +267,18 @@ class AsyncLLM:
                 continue
             self._dispatch(outputs)
 
-    def _add(self, stream: RequestStream, prompt: str | list[int], priority: int) -> None:
+    def _add(self, stream: RequestStream, request: _Submission) -> None:
         rid = stream.request_id
         if rid in self._streams:
             stream.put(InvalidRequestError(f"`request_id` must be unique among running requests. Given: {rid!r}"))
             return
         children = _fan_out(stream.params)
         seq_ids = [rid] if len(children) == 1 else [f"{k}_{rid}" for k in range(len(children))]
+        n, special = len(seq_ids), request.add_special_tokens
         try:
-            self.engine.add_requests(seq_ids, [prompt] * len(seq_ids), children, True, [priority] * len(seq_ids))
+            mm = process_multimodal(self.engine, request.items, request.fields, special)[0]
+            self.engine.add_requests(seq_ids, [request.items[0][1]] * n, children, special, [request.priority] * n,
+                                     mm_inputs=None if mm is None else [mm] * n)
         except Exception as e:  # a bad request fails its own generator only
             stream.put(e)
             return
