@@ -68,15 +68,18 @@ def test_models_health_version(server):
     assert "version" in json.loads(_get(server + "/version")[1])
 
 
-def test_completion_is_the_offline_greedy_text_whole_and_streamed(client, offline):
+def test_completion_is_the_offline_greedy_text_whole_and_streamed(server, client, offline):
     texts, _ = offline
     out = client.completions.create(model="tiny", prompt=PROMPTS, **GREEDY)
     assert [c.text for c in sorted(out.choices, key=lambda c: c.index)] == texts
     assert out.usage.completion_tokens == 8 * len(PROMPTS) and out.choices[0].finish_reason == "length"
+    counts = [_post(server + "/tokenize", {"model": "tiny", "prompt": p})[1]["count"] for p in PROMPTS]
+    assert out.usage.prompt_tokens == sum(counts)
     chunks = list(client.completions.create(model="tiny", prompt=PROMPTS[0], stream=True,
                                             stream_options={"include_usage": True}, **GREEDY))
     assert "".join(c.choices[0].text for c in chunks if c.choices) == texts[0]
     assert chunks[-1].usage.completion_tokens == 8 and chunks[-2].choices[0].finish_reason == "length"
+    assert chunks[-1].usage.prompt_tokens == counts[0]
     whole = client.completions.create(model="tiny", prompt=PROMPTS[0], logprobs=2, **GREEDY).choices[0].logprobs
     assert len(whole.tokens) == 8 and all(1 <= len(t) <= 3 for t in whole.top_logprobs)  # keyed by text: may collide
     streamed = [c.choices[0].logprobs for c in client.completions.create(

@@ -80,6 +80,9 @@ impl OutputProcessor {
     /// claim unless the request has finished.
     pub fn delta_output(&mut self, idx: ReqIdx, req: &Request) -> RequestOutput {
         let slot = self.slots[idx].as_mut().expect("output slot of a live request");
+        // The first delta carries the prompt (as the final output does), so a stream's consumer
+        // has it from its first output on: usage counts, and an image prompt's expanded ids.
+        let first = slot.sent_tokens == 0;
         let out_ids = req.output_token_ids();
         let token_ids = out_ids[slot.sent_tokens.min(out_ids.len())..].to_vec();
         slot.sent_tokens = out_ids.len();
@@ -92,7 +95,7 @@ impl OutputProcessor {
         slot.sent_text = end.max(slot.sent_text);
         RequestOutput {
             request_id: req.request_id.clone(),
-            prompt_token_ids: Vec::new(),
+            prompt_token_ids: if first { req.all_token_ids[..req.prompt_len].to_vec() } else { Vec::new() },
             token_ids,
             text: text[start..end].to_string(),
             finished: req.is_finished(),
