@@ -109,6 +109,16 @@ impl Format {
             _ => (64 * (e / 8) + 4 * r + e % 4, e % 8 >= 4),
         }
     }
+
+    /// Row `r`'s element `e` as the products multiply it, read back from a group block's values.
+    fn stored(self, values: &[u8], r: usize, e: usize) -> u8 {
+        let (at, high) = self.place(r, e);
+        match (self, high) {
+            (Format::Q8_0, _) => values[at],
+            (_, true) => values[at] >> 4,
+            (_, false) => values[at] & 0x0f,
+        }
+    }
 }
 
 /// Whether [`interleave`] takes `ggml_type`.
@@ -234,16 +244,7 @@ fn take_block(format: Format, src: &[u8], r: usize, block: &mut [u8]) {
         block[2..4].copy_from_slice(&src[2 * GROUP + 2 * r..][..2]);
     }
     let values = &src[format.scale_bytes()..];
-    let value = |e: usize| {
-        let (at, high) = format.place(r, e);
-        if format == Format::Q8_0 {
-            values[at]
-        } else if high {
-            values[at] >> 4
-        } else {
-            values[at] & 0x0f
-        }
-    };
+    let value = |e: usize| format.stored(values, r, e);
     match format {
         Format::Q8_0 => (0..BLOCK).for_each(|e| block[2 + e] = value(e) ^ 0x80),
         _ => {
@@ -311,17 +312,8 @@ unsafe fn portable<const F: u8, const M: usize>(
         for (x, acc) in xs.iter().zip(acc.iter_mut()) {
             let xq = &x.q[b * BLOCK..][..BLOCK];
             for (r, acc) in acc.iter_mut().enumerate() {
-                let mut sum: i32 = (0..BLOCK)
-                    .map(|e| {
-                        let (at, high) = format.place(r, e);
-                        let v = match (format, high) {
-                            (Format::Q8_0, _) => values[at],
-                            (_, true) => values[at] >> 4,
-                            (_, false) => values[at] & 0x0f,
-                        };
-                        i32::from(v) * i32::from(xq[e])
-                    })
-                    .sum();
+                let mut sum: i32 =
+                    (0..BLOCK).map(|e| i32::from(format.stored(values, r, e)) * i32::from(xq[e])).sum();
                 sum -= format.offset() * block_sum(x, b);
                 *acc = (sum as f32).mul_add(half(2 * r) * x.d[b], *acc);
                 if format == Format::Q4_1 {
