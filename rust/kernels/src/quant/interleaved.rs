@@ -196,17 +196,26 @@ pub fn interleave(
     Ok(())
 }
 
-/// Row `r`'s file block into a group block.
+/// Row `r`'s file block into a group block (its other rows' bytes are left as they are).
 fn put_block(format: Format, block: &[u8], r: usize, dst: &mut [u8]) {
     dst[2 * r..2 * r + 2].copy_from_slice(&block[..2]);
     if format == Format::Q4_1 {
         dst[2 * GROUP + 2 * r..][..2].copy_from_slice(&block[2..4]);
     }
+    let v: [u8; BLOCK] = std::array::from_fn(|e| format.value(block, e));
     let values = &mut dst[format.scale_bytes()..];
-    for e in 0..BLOCK {
-        let (at, high) = format.place(r, e);
-        let v = format.value(block, e);
-        values[at] |= if high { v << 4 } else { v };
+    // The byte order `place` describes, written a chunk at a time.
+    match format {
+        Format::Q8_0 => {
+            (0..8).for_each(|c| values[64 * c + 4 * r..][..4].copy_from_slice(&v[4 * c..4 * c + 4]))
+        }
+        _ => {
+            for c in 0..4 {
+                for j in 0..4 {
+                    values[64 * c + 4 * r + j] = v[8 * c + j] | v[8 * c + 4 + j] << 4;
+                }
+            }
+        }
     }
 }
 
