@@ -120,13 +120,10 @@ def interleave_preferred(ggml_type: int) -> bool:
 def interleave(weight: torch.Tensor, ggml_type: int, in_features: int) -> InterleavedBlocks:
     """``weight`` (as :func:`gguf_linear` takes it) re-laid in groups of 16 rows: the same bytes
     (the last group padded with zero rows), in a fresh tensor."""
-    _weight_buffer(weight, ggml_type, in_features)
-    out_features = weight.shape[0]
-    data = torch.empty(_core.cpu_gguf_interleaved_len(int(ggml_type), out_features, in_features), dtype=torch.uint8)
-    span = (weight.data_ptr(), (out_features - 1) * weight.stride(0) + weight.shape[1] if out_features else 0)
-    _core.cpu_gguf_interleave(int(ggml_type), span, weight.stride(0), out_features, in_features,
-                              (data.data_ptr(), data.numel()))
-    return InterleavedBlocks(data, int(ggml_type), out_features)
+    ggml_type, rows, row_stride, out_features = _weight_buffer(weight, ggml_type, in_features)
+    data = torch.empty(_core.cpu_gguf_interleaved_len(ggml_type, out_features, in_features), dtype=torch.uint8)
+    _core.cpu_gguf_interleave(ggml_type, rows, row_stride, out_features, in_features, (data.data_ptr(), data.numel()))
+    return InterleavedBlocks(data, ggml_type, out_features)
 
 
 def deinterleave(blocks: InterleavedBlocks, in_features: int) -> torch.Tensor:
