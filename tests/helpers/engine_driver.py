@@ -95,6 +95,8 @@ MORE_CONFIGS = {
         **TINY_MHA, use_parallel_residual=False, tie_word_embeddings=True,
         rope_parameters={"rope_type": "default", "rope_theta": 500.0, "partial_rotary_factor": 0.5},
         **EAGER),
+    # adept/persimmon-8b's layout: q/k LayerNorm, half of each head rotated, relu2 MLP.
+    "persimmon": lambda: transformers.PersimmonConfig(**TINY_MHA, qk_layernorm=True, **EAGER),
     "mixtral": lambda: transformers.MixtralConfig(**TINY_MOE, num_local_experts=4, **EAGER),
     # Layer 0 routed (with the gated shared expert), layer 1 dense; top-k weights not renormalised.
     "qwen2_moe": lambda: transformers.Qwen2MoeConfig(

@@ -1,4 +1,4 @@
-"""GPT-2, OPT, GPT-NeoX, Mixtral and Qwen2-MoE.
+"""GPT-2, OPT, GPT-NeoX, Persimmon, Mixtral and Qwen2-MoE.
 
 Tiny random checkpoints driven by the Rust core's steps reproduce transformers' greedy tokens and
 logits, and two gloo ranks reproduce one; the grouped routed-expert path matches a per-token
@@ -56,7 +56,8 @@ def one_thread():
 @pytest.fixture(scope="module", params=ARCHS)
 def checkpoint(request, tmp_path_factory):
     folder = tmp_path_factory.mktemp(request.param)
-    hf_model = build_checkpoint(request.param, folder)
+    # Persimmon's q/k LayerNorms start as the identity; noise makes a swapped one show.
+    hf_model = build_checkpoint(request.param, folder, perturb_norms=request.param == "persimmon")
     return folder, hf_model, load_ferrollm_model(folder)
 
 

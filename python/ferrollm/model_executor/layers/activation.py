@@ -12,7 +12,7 @@ from torch import nn
 from ferrollm.kernels import cpu as cpu_kernels
 from ferrollm.exceptions import UnsupportedModelError
 
-__all__ = ["GeluAndMul", "QuickGELU", "SiluAndMul", "get_act_and_mul", "get_act_fn"]
+__all__ = ["GeluAndMul", "QuickGELU", "ReLUSquared", "SiluAndMul", "get_act_and_mul", "get_act_fn"]
 
 
 class SiluAndMul(nn.Module):
@@ -80,6 +80,13 @@ class QuickGELU(nn.Module):
         return x * torch.sigmoid(1.702 * x)
 
 
+class ReLUSquared(nn.Module):
+    """``relu(x) ** 2`` (Persimmon's and Fuyu's ``relu2``)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.square(F.relu(x))
+
+
 # HF's `hidden_act` / `activation_function` names. gelu_new, gelu_fast and gelu_pytorch_tanh are
 # all the tanh approximation written three ways; torch's fused version agrees to float rounding.
 _ACTIVATIONS: dict[str, Callable[[], nn.Module]] = {
@@ -89,6 +96,7 @@ _ACTIVATIONS: dict[str, Callable[[], nn.Module]] = {
     "gelu_pytorch_tanh": lambda: nn.GELU(approximate="tanh"),
     "quick_gelu": QuickGELU,
     "relu": lambda: nn.ReLU(),
+    "relu2": ReLUSquared,
     "silu": lambda: nn.SiLU(),
     "swish": lambda: nn.SiLU(),
 }

@@ -30,7 +30,7 @@ from ferrollm.model_executor.layers.rotary import get_rope, rope_max_position, r
 from ferrollm.model_executor.layers.vocab import ParallelLMHead, VocabParallelEmbedding
 from ferrollm.model_executor.models.utils import CausalLMInterface, load_weights_into
 
-__all__ = ["GPTNeoXForCausalLM"]
+__all__ = ["GPTNeoXForCausalLM", "GPTNeoXMLP", "stack_per_head_qkv"]
 
 # Buffers older checkpoints saved (causal mask, rotary frequencies); all derived from the config.
 _BUFFERS = (".attention.bias", ".attention.masked_bias", ".rotary_emb.inv_freq")
@@ -160,7 +160,13 @@ class GPTNeoXForCausalLM(CausalLMInterface, nn.Module):
             if name.startswith("embed_out."):
                 name = "lm_head." + name[len("embed_out."):]
             if ".query_key_value." in name:
-                # Rows are [head, (q|k|v), head_dim]; the fused loader wants [(q|k|v), head, head_dim].
-                per_head = tensor.unflatten(0, (self.num_heads, 3, self.head_dim))
-                tensor = per_head.transpose(0, 1).reshape(tensor.shape)
+                tensor = stack_per_head_qkv(tensor, self.num_heads, self.head_dim)
             yield name, tensor
+
+
+def stack_per_head_qkv(tensor: torch.Tensor, num_heads: int, head_dim: int) -> torch.Tensor:
+    """A fused qkv weight or bias stored per head (rows ``[head, (q|k|v), head_dim]``, as GPT-NeoX
+    and Persimmon store it) in the ``[(q|k|v), head, head_dim]`` rows the fused loader slices by
+    head for each tensor-parallel rank."""
+    per_head = tensor.unflatten(0, (num_heads, 3, head_dim))
+    return per_head.transpose(0, 1).reshape(tensor.shape)
