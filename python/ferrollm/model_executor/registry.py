@@ -16,6 +16,7 @@ __all__ = ["ModelRegistry"]
 
 # architecture -> (module under ferrollm.model_executor.models, class name)
 _MODELS: dict[str, tuple[str, str]] = {
+    "FuyuForCausalLM": ("fuyu", "FuyuForCausalLM"),
     "GPT2LMHeadModel": ("gpt2", "GPT2LMHeadModel"),
     "GPTNeoXForCausalLM": ("gpt_neox", "GPTNeoXForCausalLM"),
     "Gemma2ForCausalLM": ("gemma2", "Gemma2ForCausalLM"),

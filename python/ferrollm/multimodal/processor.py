@@ -57,17 +57,21 @@ class MultiModalProcessor:
         cache: the processed-input cache.
     """
 
+    # transformers 5's image-processor backend a subclass needs ("pil" or "torchvision").
+    image_processor_backend = "pil"
+
     def __init__(self, folder: Path, hf_config: Any, limits: dict[str, int], default_kwargs: dict[str, Any] | None,
                  cache: MultiModalInputCache):
         import transformers
         from transformers import AutoImageProcessor
 
         # transformers 5 picks a torchvision backend when installed and warns when not: ask for
-        # the PIL one (what the tests compare with) so the output does not depend on that.
-        backend = {"backend": "pil"} if int(transformers.__version__.split(".")[0]) >= 5 else {}
+        # one (by default PIL, what the tests compare with) so the output does not depend on that.
+        backend = {"backend": self.image_processor_backend} if int(transformers.__version__.split(".")[0]) >= 5 else {}
         self.image_processor = AutoImageProcessor.from_pretrained(str(folder), **backend)
         self.image_token_id = int(hf_config.image_token_id)
-        self.merge = int(getattr(hf_config.vision_config, "spatial_merge_size", 1))
+        # Fuyu has no vision config (and no merge).
+        self.merge = int(getattr(getattr(hf_config, "vision_config", None), "spatial_merge_size", 1))
         self.limits = limits
         self.cache = cache
         annotations = getattr(getattr(self.image_processor, "valid_kwargs", None), "__annotations__", {})
