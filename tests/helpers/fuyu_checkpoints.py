@@ -59,10 +59,10 @@ def build_fuyu_checkpoint(folder: Path, tokenizer_dir: Path, seed: int = 0):
     return model, image_processor
 
 
-def fuyu_inputs(tokenizer, image_processor, prompt: str, image) -> tuple[list[int], torch.Tensor]:
+def fuyu_inputs(tokenizer, image_processor, prompt: str, image, **image_kwargs) -> tuple[list[int], torch.Tensor]:
     """``FuyuProcessor``'s input ids and patches for one image: the placeholder rows, ``<s>``,
     the prompt's tokens and ``<0x04>``."""
-    out = image_processor(images=[image], return_tensors="pt")
+    out = image_processor(images=[image], return_tensors="pt", **image_kwargs)
     padded = out["images"][0]
     height = min(padded.shape[-2], math.ceil(out["image_unpadded_heights"][0][0].item() / PATCH) * PATCH)
     width = min(padded.shape[-1], math.ceil(out["image_unpadded_widths"][0][0].item() / PATCH) * PATCH)
@@ -73,13 +73,14 @@ def fuyu_inputs(tokenizer, image_processor, prompt: str, image) -> tuple[list[in
     return rows + [vocab["<s>"]] + text, patches
 
 
-def hf_greedy_fuyu(model, tokenizer, image_processor, prompt: str, image, max_tokens: int):
+def hf_greedy_fuyu(model, tokenizer, image_processor, prompt: str, image, max_tokens: int, **image_kwargs):
     """transformers' input ids, greedy tokens and per-step logits for ``prompt`` with ``image``
-    (None: the prompt alone, tokenized with its special tokens)."""
+    (None: the prompt alone, tokenized with its special tokens), the image processed with
+    ``image_kwargs``."""
     if image is None:
         ids, kwargs = tokenizer.encode(prompt), {}
     else:
-        ids, patches = fuyu_inputs(tokenizer, image_processor, prompt, image)
+        ids, patches = fuyu_inputs(tokenizer, image_processor, prompt, image, **image_kwargs)
         kwargs = {"pixel_values": patches}
     with torch.no_grad():
         out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),

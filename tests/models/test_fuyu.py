@@ -2,8 +2,9 @@
 tokens and log-probabilities for image prompts laid out as ``FuyuProcessor`` lays them out
 (patch rows of ``|SPEAKER|`` closed by ``|NEWLINE|``, then ``<s>``, the text and ``<0x04>``),
 batched with a text request, with chunked prefill splitting the images and prefix-cache hits;
-an already expanded prompt and transformers 5's weight names load; one image per prompt;
-`limit_mm_per_prompt={"image": 0}` skips ``vision_embed_tokens``."""
+``mm_processor_kwargs``' ``size`` changes the patch grid as the image processor does; an already
+expanded prompt and transformers 5's weight names load; one image per prompt;
+`limit_mm_per_prompt={"image": 0}` skips ``vision_embed_tokens`` (and runs on two ranks)."""
 
 from __future__ import annotations
 
@@ -30,13 +31,16 @@ def fuyu(tmp_path_factory, tokenizer_dir):
     return folder, model, transformers.AutoTokenizer.from_pretrained(str(folder)), image_processor
 
 
-def _check_against_transformers(llm: LLM, fuyu, prompts: list[tuple[str, object]]):
+def _check_against_transformers(llm: LLM, fuyu, prompts: list[tuple[str, object]], request_kwargs=None,
+                                **image_kwargs):
     _, hf_model, tokenizer, image_processor = fuyu
-    requests = [{"prompt": p, "multi_modal_data": {"image": image}} if image is not None else p
+    extra = {"mm_processor_kwargs": request_kwargs} if request_kwargs else {}
+    requests = [{"prompt": p, "multi_modal_data": {"image": image}, **extra} if image is not None else p
                 for p, image in prompts]
     outs = llm.generate(requests, GREEDY, use_tqdm=False)
     for (prompt, image), out in zip(prompts, outs):
-        ids, want, logits = hf_greedy_fuyu(hf_model, tokenizer, image_processor, prompt, image, MAX_TOKENS)
+        ids, want, logits = hf_greedy_fuyu(hf_model, tokenizer, image_processor, prompt, image, MAX_TOKENS,
+                                           **image_kwargs)
         assert list(out.prompt_token_ids) == ids, prompt
         got = out.outputs[0]
         assert list(got.token_ids) == want, prompt
@@ -60,6 +64,28 @@ def test_images_match_transformers_batched_with_text_and_chunked(fuyu):
     runs = [list(o.prompt_token_ids) for o in outs]
     speaker, newline = fuyu[1].config.image_token_id, fuyu[2].convert_tokens_to_ids("|NEWLINE|")
     assert [(r.count(speaker), r.count(newline)) for r in runs] == [(20, 4), (0, 0), (18, 3), (8, 4)]
+
+
+def test_size_from_mm_processor_kwargs_sets_the_patch_grid(fuyu):
+    folder = fuyu[0]
+    image, small = random_image(6, 35, 50), {"size": {"height": 20, "width": 30}}
+    with LLM(str(folder), max_model_len=256, mm_processor_kwargs=small) as llm:
+        # Shrunk to 20x28: 2 rows of 3 patches, for the LLM's option and a request's own.
+        (out,) = _check_against_transformers(llm, fuyu, [("small", image)], **small)
+        (again,) = _check_against_transformers(llm, fuyu, [("small", image)], small, **small)
+    speaker = fuyu[1].config.image_token_id
+    assert list(out.prompt_token_ids).count(speaker) == list(again.prompt_token_ids).count(speaker) == 6
+
+
+def test_two_ranks_run_the_text_only_model_as_one_does(fuyu):
+    folder, prompts = fuyu[0], ["hello there", "a longer text only request"]
+    outs = []
+    for tp in (1, 2):
+        with LLM(str(folder), max_model_len=128, tensor_parallel_size=tp, limit_mm_per_prompt={"image": 0}) as llm:
+            outs.append([list(o.outputs[0].token_ids) for o in llm.generate(prompts, GREEDY, use_tqdm=False)])
+    assert outs[0] == outs[1]
+    with pytest.raises(ValueError, match=r"`tensor_parallel_size` must be 1 for image inputs"):
+        LLM(str(folder), max_model_len=128, tensor_parallel_size=2)
 
 
 def _transformers5_name(name: str) -> str:
