@@ -19,8 +19,8 @@ TILE = 56
 TOKENS_PER_TILE = 4
 
 
-def internvl_config(context_id: int):
-    text = dict(model_type="qwen2", vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+def internvl_config(context_id: int, text_type: str = "qwen2"):
+    text = dict(model_type=text_type, vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                 eos_token_id=2, bos_token_id=1, pad_token_id=0, tie_word_embeddings=False)
     vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
@@ -31,9 +31,9 @@ def internvl_config(context_id: int):
     return config
 
 
-def build_internvl_checkpoint(folder: Path, tokenizer_dir: Path, seed: int = 0):
-    """Saves a random tiny InternVL, its tokenizer and its processor to ``folder``; returns the
-    transformers model in eval mode and the processor."""
+def build_internvl_checkpoint(folder: Path, tokenizer_dir: Path, seed: int = 0, text_type: str = "qwen2"):
+    """Saves a random tiny InternVL (``text_type`` "qwen2" or "llama"), its tokenizer and its
+    processor to ``folder``; returns the transformers model in eval mode and the processor."""
     from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
 
     tok = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
@@ -45,7 +45,7 @@ def build_internvl_checkpoint(folder: Path, tokenizer_dir: Path, seed: int = 0):
         "extra_special_tokens": {"start_image_token": START, "end_image_token": END,
                                  "context_image_token": CONTEXT, "video_token": VIDEO}}))
     torch.manual_seed(seed)
-    model = transformers.InternVLForConditionalGeneration(internvl_config(tok.token_to_id(CONTEXT))).eval()
+    model = transformers.InternVLForConditionalGeneration(internvl_config(tok.token_to_id(CONTEXT), text_type)).eval()
     with torch.no_grad():  # transformers starts these at zero / a constant: random, so the test sees them
         for name, param in model.named_parameters():
             if name.endswith(("cls_token", "position_embeddings", "lambda_1", "lambda_2")):

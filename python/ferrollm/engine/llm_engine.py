@@ -392,12 +392,10 @@ def _read_checkpoint(source, progress: bool = False):
         # `load_gguf` only builds a fresh iterator.
         config, _ = loader.load_gguf(source.gguf_file)
         return config, lambda: loader.load_gguf(source.gguf_file)[1]
-    from transformers import AutoConfig
+    from ferrollm.config.remote_configs import load_hf_config
 
-    try:
-        config = AutoConfig.from_pretrained(str(source.folder))
-    except Exception as e:  # an unreadable config.json or an unknown model_type
-        raise ConfigError(f"could not read {source.folder / 'config.json'}: {e}") from e
+    # AutoConfig, or ferrollm's own build of a remote-code config (InternLM2, InternVLChatModel).
+    config = load_hf_config(source.folder)
     return config, lambda: loader.iterate_safetensors(source.folder, progress=progress)
 
 

@@ -24,6 +24,8 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Gemma3ForConditionalGeneration": ("gemma3_mm", "Gemma3ForConditionalGeneration"),
     "GemmaForCausalLM": ("gemma", "GemmaForCausalLM"),
     "GraniteForCausalLM": ("granite", "GraniteForCausalLM"),
+    "InternLM2ForCausalLM": ("internlm2", "InternLM2ForCausalLM"),
+    "InternVLChatModel": ("internvl_chat", "InternVLChatModel"),
     "InternVLForConditionalGeneration": ("internvl", "InternVLForConditionalGeneration"),
     "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("mistral", "MistralForCausalLM"),

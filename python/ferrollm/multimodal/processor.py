@@ -63,12 +63,11 @@ class MultiModalProcessor:
     def __init__(self, folder: Path, hf_config: Any, limits: dict[str, int], default_kwargs: dict[str, Any] | None,
                  cache: MultiModalInputCache):
         import transformers
-        from transformers import AutoImageProcessor
 
         # transformers 5 picks a torchvision backend when installed and warns when not: ask for
         # one (by default PIL, what the tests compare with) so the output does not depend on that.
         backend = {"backend": self.image_processor_backend} if int(transformers.__version__.split(".")[0]) >= 5 else {}
-        self.image_processor = AutoImageProcessor.from_pretrained(str(folder), **backend)
+        self.image_processor = self._load_image_processor(folder, hf_config, backend)
         self.image_token_id = int(hf_config.image_token_id)
         # Fuyu has no vision config (and no merge).
         self.merge = int(getattr(getattr(hf_config, "vision_config", None), "spatial_merge_size", 1))
@@ -77,6 +76,18 @@ class MultiModalProcessor:
         annotations = getattr(getattr(self.image_processor, "valid_kwargs", None), "__annotations__", {})
         self.accepted_kwargs = sorted(set(annotations) - _NOT_OPTIONS)
         self.default_kwargs = self._check_kwargs(default_kwargs or {}, ConfigError)
+
+    def _load_image_processor(self, folder: Path, hf_config: Any, backend: dict[str, str]) -> Any:
+        """The checkpoint's image processor (``preprocessor_config.json``); a model whose tiling
+        is not in one builds it from its config instead."""
+        from transformers import AutoImageProcessor
+
+        return AutoImageProcessor.from_pretrained(str(folder), **backend)
+
+    def prompt_text(self, prompt: str) -> str:
+        """A text prompt with images as it is tokenized; a model whose placeholder is plain text
+        (InternVL2's ``<image>``) rewrites it to its placeholder token here."""
+        return prompt
 
     def max_tokens_per_item(self) -> int:
         """Placeholder tokens of the largest image the LLM-level options allow (an image is

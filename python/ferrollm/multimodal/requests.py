@@ -27,6 +27,9 @@ def process_multimodal(engine, items: list[tuple[str | None, str | list[int]]],
         if engine.mm_processor is None:
             raise InvalidRequestError(f"`multi_modal_data` of prompt {i} must be None or absent: "
                                       f"{engine.model_config.architecture} is not a multimodal model")
-        ids = engine.tokenizers.core.encode(prompt, add_special_tokens) if isinstance(prompt, str) else list(prompt)
+        if isinstance(prompt, str):
+            ids = engine.tokenizers.core.encode(engine.mm_processor.prompt_text(prompt), add_special_tokens)
+        else:
+            ids = list(prompt)
         out.append(engine.mm_processor.process(ids, mm_data, kwargs))
     return out

@@ -58,6 +58,8 @@ def build_mm_processor(args: Any, model_config) -> MultiModalProcessor | None:
         from ferrollm.multimodal.gemma3_processor import Gemma3MultiModalProcessor as cls
     elif getattr(model_config.hf_config, "model_type", None) == "internvl":
         from ferrollm.multimodal.internvl_processor import InternVLMultiModalProcessor as cls
+    elif getattr(model_config.hf_config, "model_type", None) == "internvl_chat":
+        from ferrollm.multimodal.internvl_processor import InternVLChatMultiModalProcessor as cls
     elif getattr(model_config.hf_config, "model_type", None) == "fuyu":
         from ferrollm.multimodal.fuyu_processor import FuyuMultiModalProcessor as cls
     return cls(folder, model_config.hf_config, limits, args.mm_processor_kwargs, cache)

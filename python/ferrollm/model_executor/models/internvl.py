@@ -12,7 +12,8 @@ Checkpoint names: the hub's (``vision_tower.*``, ``multi_modal_projector.*``,
 ``language_model.model.*``, ``language_model.lm_head.*``) and transformers 5's (``model.*``,
 ``lm_head.*``) both load. With no vision tower (``limit_mm_per_prompt`` of 0 for every modality,
 or ``language_model_only``) the vision and projector tensors are skipped and counted in a log line.
-``InternVLChatModel`` (OpenGVLab's own layout, InternLM2 text) is a different class, not this one.
+``InternVLChatModel`` (OpenGVLab's own layout, e.g. InternVL2 with InternLM2 text) is the same
+network under other names: ``internvl_chat.py`` subclasses this class and renames at load.
 """
 
 from __future__ import annotations
@@ -76,15 +77,17 @@ class InternVLForConditionalGeneration(LanguageModelDelegate, nn.Module):
     """
 
     supports_multimodal = True
+    # Decoder classes by the text config's model_type.
+    text_models: dict[str, type[LlamaForCausalLM]] = _TEXT_MODELS
 
     def __init__(self, config: PretrainedConfig, dtype: torch.dtype = torch.float32):
         super().__init__()
         self.config = config
         self.dtype = dtype
         text = with_engine_settings(config.get_text_config(), config)
-        cls = _TEXT_MODELS.get(text.model_type)
+        cls = self.text_models.get(text.model_type)
         if cls is None or config.vision_feature_select_strategy != "default":
-            raise CheckpointError(f"InternVL's text model must be one of {sorted(_TEXT_MODELS)} with "
+            raise CheckpointError(f"InternVL's text model must be one of {sorted(self.text_models)} with "
                                   "vision_feature_select_strategy 'default'. Given: "
                                   f"{text.model_type!r}, {config.vision_feature_select_strategy!r}")
         self.language_model = cls(text, dtype)
