@@ -51,7 +51,8 @@ class InternLM2Config(PretrainedConfig):
         # A runtime choice of the remote code (eager / flash), not a property of the weights.
         kwargs.pop("attn_implementation", None)
         kwargs.pop("auto_map", None)
-        super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
+        super().__init__(**kwargs)
+        self.tie_word_embeddings = bool(tie_word_embeddings)
 
 
 def _internlm2_config(values: dict[str, Any]) -> InternLM2Config:

@@ -115,7 +115,8 @@ class InternVLChatMultiModalProcessor(InternVLMultiModalProcessor):
     def _load_image_processor(self, folder: Path, hf_config: Any, backend: dict[str, str]) -> Any:
         from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
 
-        size = int(hf_config.vision_config.image_size[0])
+        tile = hf_config.vision_config.image_size  # [S, S] (remote_configs writes a square tile)
+        size = int(tile[0] if isinstance(tile, (list, tuple)) else tile)
         return GotOcr2ImageProcessorPil(
             size={"height": size, "width": size}, image_mean=IMAGENET_MEAN, image_std=IMAGENET_STD,
             crop_to_patches=bool(hf_config.dynamic_image_size), min_patches=int(hf_config.min_dynamic_patch),

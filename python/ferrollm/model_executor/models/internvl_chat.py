@@ -77,6 +77,7 @@ class InternVLChatModel(InternVLForConditionalGeneration):
 
     def _hf_names(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         internlm2 = isinstance(self.language_model, InternLM2ForCausalLM)
+        text_config = self.config.get_text_config()
         for name, tensor in weights:
             if name.startswith("vision_model.") and self.vision_tower is None:
                 yield "vision_tower." + name, tensor  # skipped (and counted) as it is
@@ -88,7 +89,7 @@ class InternVLChatModel(InternVLForConditionalGeneration):
                 yield "multi_modal_projector." + _PROJECTOR[prefix] + name.removeprefix(prefix), tensor
             elif internlm2 and name.startswith("language_model."):
                 one = [(name.removeprefix("language_model."), tensor)]
-                for llama_name, piece in internlm2_to_llama(one, self.language_model.config):
+                for llama_name, piece in internlm2_to_llama(one, text_config):
                     yield "language_model." + llama_name, piece
             else:
                 yield name, tensor
