@@ -130,8 +130,9 @@ def _one_image(limits: dict[str, int]) -> dict[str, int]:
 
 def _hw(size: Any) -> tuple[int, int]:
     """``(height, width)`` of a size dict or transformers' ``SizeDict``."""
-    get = size.get if isinstance(size, dict) else lambda key: getattr(size, key)
-    return int(get("height")), int(get("width"))
+    if isinstance(size, dict):
+        return int(size["height"]), int(size["width"])
+    return int(size.height), int(size.width)
 
 
 def _special_ids(folder: Path) -> tuple[int, int, list[int]]:

@@ -53,11 +53,12 @@ class FuyuForCausalLM(LanguageModelDelegate, nn.Module):
         self.config = config
         self.dtype = dtype
         text = with_engine_settings(config.get_text_config(), config)
-        self.language_model = PersimmonForCausalLM(text, dtype)
+        self.language_model: PersimmonForCausalLM = PersimmonForCausalLM(text, dtype)
         self.image_token_id = int(config.image_token_id)
         patch_dim = int(config.patch_size) ** 2 * int(config.num_channels)
         text_only = getattr(config, TEXT_ONLY_ATTR, False)
-        self.vision_embed_tokens = None if text_only else nn.Linear(patch_dim, text.hidden_size, dtype=dtype)
+        self.vision_embed_tokens: nn.Linear | None = (
+            None if text_only else nn.Linear(patch_dim, text.hidden_size, dtype=dtype))
         lm = self.language_model
         self.num_layers, self.num_kv_heads, self.head_dim = lm.num_layers, lm.num_kv_heads, lm.head_dim
         self.lm_head = lm.lm_head
