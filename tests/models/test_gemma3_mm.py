@@ -121,3 +121,7 @@ def test_text_only_skips_the_vision_tower(gemma3, caplog, text_only):
         with pytest.raises(ValueError, match=r"At most 0 image.*Given: 1"):
             llm.generate({"prompt": f"x{IMAGE}", "multi_modal_data": {"image": random_image(4, 30, 30)}},
                          GREEDY, use_tqdm=False)
+        # Gemma 3 takes no video in ferrollm: the refusal names what it takes.
+        with pytest.raises(ValueError, match=r"keys must be one of \['image'\].*Given: 'video'"):
+            llm.generate({"prompt": "x", "multi_modal_data": {"video": [random_image(4, 30, 30)]}},
+                         GREEDY, use_tqdm=False)

@@ -82,6 +82,10 @@ def test_limit_0_skips_the_vision_tower(internvl):
         with pytest.raises(ValueError, match=r"At most 0 image.*Given: 1"):
             llm.generate({"prompt": f"x{IMAGE}", "multi_modal_data": {"image": random_image(4, 30, 30)}},
                          GREEDY, use_tqdm=False)
+        # InternVL takes no video in ferrollm: the refusal names what it takes.
+        with pytest.raises(ValueError, match=r"keys must be one of \['image'\].*Given: 'video'"):
+            llm.generate({"prompt": "x", "multi_modal_data": {"video": [random_image(4, 30, 30)]}},
+                         GREEDY, use_tqdm=False)
 
 
 def _transformers5_name(name: str) -> str:

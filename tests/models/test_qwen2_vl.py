@@ -93,8 +93,8 @@ def test_placeholder_mismatch_names_both_counts(qwen2_vl):
         with pytest.raises(ValueError, match=r"1 image placeholder.*2 image\(s\)"):
             llm.generate({"prompt": f"one {IMAGE}", "multi_modal_data": {"image": [random_image(0, 56, 56)] * 2}},
                          GREEDY, use_tqdm=False)
-        with pytest.raises(ValueError, match="video is not supported"):
-            llm.generate({"prompt": "x", "multi_modal_data": {"video": [1]}}, GREEDY, use_tqdm=False)
+        with pytest.raises(ValueError, match=r"keys must be one of \['image', 'video'\].*Given: 'audio'"):
+            llm.generate({"prompt": "x", "multi_modal_data": {"audio": [1]}}, GREEDY, use_tqdm=False)
 
 
 def test_limit_mm_per_prompt_refuses_extra_images(qwen2_vl):
@@ -108,7 +108,7 @@ def test_limit_mm_per_prompt_refuses_extra_images(qwen2_vl):
 
 def test_zero_limit_skips_the_vision_tower(qwen2_vl):
     folder, hf_model = qwen2_vl
-    with _llm(folder, limit_mm_per_prompt={"image": 0}) as llm:
+    with _llm(folder, limit_mm_per_prompt={"image": 0, "video": 0}) as llm:
         model = llm.llm_engine.generation_runner.model
         assert model.visual is None
         assert not any(name.startswith("visual") for name, _ in model.named_parameters())
@@ -164,8 +164,9 @@ def test_mm_processor_kwargs_change_the_token_count_as_transformers_does(qwen2_v
 
 def test_an_image_beyond_the_encoder_budget_is_refused(qwen2_vl):
     folder, _ = qwen2_vl
-    # The budget is max(max_num_batched_tokens, the largest image the LLM's options allow: 32).
-    with _llm(folder, max_num_batched_tokens=16, max_num_seqs=2) as llm:
+    # The budget is max(max_num_batched_tokens, the largest image the LLM's options allow: 32;
+    # videos, allowed, would raise it to their own bound).
+    with _llm(folder, max_num_batched_tokens=16, max_num_seqs=2, limit_mm_per_prompt={"video": 0}) as llm:
         big = random_image(6, 400, 400)
         with pytest.raises(ValueError, match=r"max_num_encoder_input_tokens \(32\)"):
             _num_image_tokens(llm, big, max_pixels=28 * 28 * 100)

@@ -142,8 +142,10 @@ class LLMEngine:
             core, runner = build_pooling_core(args, model_config, model, tokenizers, device)
             clock.log()
             return cls(args, model_config, tokenizers, core, runner)
-        # vLLM's encoder budget: a step's worth of tokens, but never less than the largest item.
+        # vLLM's encoder budget: a step's worth of tokens, but never less than the largest item
+        # (no item outgrows a prompt: a long video's bound is max_model_len).
         per_item = mm_processor.max_tokens_per_item() if mm_processor is not None else 0
+        per_item = min(per_item, model_config.max_model_len)
         engine = cls._from_workers(args, model_config, tokenizers, device, clock, per_item, stream_outputs)
         engine.mm_processor = mm_processor
         clock.log()

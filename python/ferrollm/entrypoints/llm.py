@@ -83,11 +83,13 @@ class LLM(PoolingMixin):
             generation_config.json when `generate` gets none; "vllm" ignores the file; a folder
             path reads the file there.
         override_generation_config: fields merged over the generation config.
-        limit_mm_per_prompt: items per modality a prompt may carry, e.g. ``{"image": 2}``
-            (default 999); 0 refuses the modality, and 0 for all skips loading the vision tower.
-        mm_processor_kwargs: options for the checkpoint's image processor (e.g. ``max_pixels``,
-            ``min_pixels`` for Qwen2-VL); a prompt's own ``mm_processor_kwargs`` override them.
-        mm_processor_cache_gb: GiB of processed images kept by content hash (default
+        limit_mm_per_prompt: items per modality a prompt may carry, e.g. ``{"image": 2,
+            "video": 1}`` (default 999); 0 refuses the modality, and 0 for all the model takes
+            skips loading the vision tower.
+        mm_processor_kwargs: options for the checkpoint's image (and video) processor (e.g.
+            ``max_pixels``, ``min_pixels``, ``fps`` for Qwen2-VL); a prompt's own
+            ``mm_processor_kwargs`` override them.
+        mm_processor_cache_gb: GiB of processed images and videos kept by content hash (default
             ``FERROLLM_MM_INPUT_CACHE_GIB`` or ``VLLM_MM_INPUT_CACHE_GIB``, else 4; 0 disables).
         max_logprobs: the most `logprobs` / `prompt_logprobs` a request may ask for (-1: no
             limit); more raises a `ValueError` with vLLM's wording.

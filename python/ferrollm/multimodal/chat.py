@@ -2,6 +2,10 @@
 "image_url": {"url": "data:image/png;base64,..." or a local path}}`` and ``{"type": "image_pil",
 "image_pil": <PIL image>}``. Each becomes a ``{"type": "image"}`` part for the chat template
 (which renders the model's placeholder) and an item of the prompt's ``multi_modal_data``.
+
+``video_url`` parts are refused: vLLM decodes video files with OpenCV or PyAV, which ferrollm
+does not bundle. Videos go through `LLM.generate` as decoded frames instead
+(``multi_modal_data={"video": frames}``).
 """
 
 from __future__ import annotations
@@ -73,6 +77,11 @@ def extract_images(conversation: list[dict[str, Any]]) -> tuple[list[dict[str, A
             elif kind == "image_pil":
                 images.append(part["image_pil"])
                 parts.append({"type": "image"})
+            elif kind == "video_url":
+                raise InvalidRequestError(
+                    "`video_url` content parts are not supported: ferrollm has no video decoder. Decode the frames "
+                    "and pass them to `LLM.generate` as multi_modal_data={'video': frames} (a list of PIL images "
+                    "or a uint8 array [T, H, W, 3]) with the model's video placeholder in the prompt")
             else:
                 parts.append(part)
         out.append({**message, "content": parts})

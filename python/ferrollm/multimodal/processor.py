@@ -6,6 +6,9 @@ For Qwen2-VL/Qwen2.5-VL a prompt holds one ``<|image_pad|>`` per image (inside
 tokens, as transformers' processor does. A prompt whose placeholders are already expanded is
 accepted too. Options: `limit_mm_per_prompt` (items per modality) and `mm_processor_kwargs`
 (the LLM's, overridden per request), checked against the keys the image processor accepts.
+
+A model's processor class says which modalities it takes (`modalities`; images here, images and
+videos in ``qwen2_vl_processor``); ``multi_modal_data`` with any other is refused by name.
 """
 
 from __future__ import annotations
@@ -29,13 +32,13 @@ SUPPORTED_MODALITIES = ("image",)
 _NOT_OPTIONS = {"return_tensors", "device", "data_format", "input_data_format"}
 
 
-def check_limits(limits: dict[str, int] | None) -> dict[str, int]:
-    """`limit_mm_per_prompt` with every supported modality filled in.
+def check_limits(limits: dict[str, int] | None, modalities: tuple[str, ...] = SUPPORTED_MODALITIES) -> dict[str, int]:
+    """`limit_mm_per_prompt` with each of the model's ``modalities`` filled in.
 
     Raises:
         ConfigError: an unknown modality or a negative limit.
     """
-    out = dict.fromkeys(SUPPORTED_MODALITIES, DEFAULT_LIMIT)
+    out = dict.fromkeys(modalities, DEFAULT_LIMIT)
     for modality, limit in (limits or {}).items():
         if modality not in ("image", "video", "audio"):
             raise ConfigError(f"`limit_mm_per_prompt` keys must be 'image', 'video' or 'audio'. Given: {modality!r}")
@@ -59,6 +62,9 @@ class MultiModalProcessor:
 
     # transformers 5's image-processor backend a subclass needs ("pil" or "torchvision").
     image_processor_backend = "pil"
+
+    # What `multi_modal_data` may hold for this model; a subclass that takes more widens it.
+    modalities: tuple[str, ...] = SUPPORTED_MODALITIES
 
     def __init__(self, folder: Path, hf_config: Any, limits: dict[str, int], default_kwargs: dict[str, Any] | None,
                  cache: MultiModalInputCache):
@@ -118,17 +124,23 @@ class MultiModalProcessor:
         return self._expand(token_ids, processed)
 
     def _items(self, mm_data: dict[str, Any]) -> list[Any]:
-        for modality in mm_data:
-            if modality not in SUPPORTED_MODALITIES:
-                raise InvalidRequestError(f"`multi_modal_data` keys must be one of {list(SUPPORTED_MODALITIES)} "
-                                          f"(video is not supported yet). Given: {modality!r}")
+        """The prompt's images, after checking its modalities and the image limit."""
+        self._check_modalities(mm_data)
         images = mm_data.get("image", [])
-        images = list(images) if isinstance(images, (list, tuple)) else [images]
-        limit = self.limits["image"]
-        if len(images) > limit:
-            raise InvalidRequestError(f"At most {limit} image(s) may be provided in one prompt "
-                                      f"(limit_mm_per_prompt['image']={limit}). Given: {len(images)}")
-        return images
+        return self._within_limit("image", list(images) if isinstance(images, (list, tuple)) else [images])
+
+    def _check_modalities(self, mm_data: dict[str, Any]) -> None:
+        for modality in mm_data:
+            if modality not in self.modalities:
+                raise InvalidRequestError(f"`multi_modal_data` keys must be one of {list(self.modalities)} (the "
+                                          f"modalities this model takes in ferrollm). Given: {modality!r}")
+
+    def _within_limit(self, modality: str, items: list[Any]) -> list[Any]:
+        limit = self.limits[modality]
+        if len(items) > limit:
+            raise InvalidRequestError(f"At most {limit} {modality}(s) may be provided in one prompt "
+                                      f"(limit_mm_per_prompt[{modality!r}]={limit}). Given: {len(items)}")
+        return items
 
     def _process_image(self, image: Any, kwargs: dict[str, Any]) -> tuple[str, Any, tuple[int, int, int]]:
         identifier = hash_item("image", image, kwargs)
@@ -141,12 +153,13 @@ class MultiModalProcessor:
         self.cache.put(identifier, pixel_values, grid)  # type: ignore[arg-type]
         return identifier, pixel_values, grid  # type: ignore[return-value]
 
-    def _call_kwargs(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+    def _call_kwargs(self, kwargs: dict[str, Any], processor: Any = None) -> dict[str, Any]:
         """vLLM's `min_pixels`/`max_pixels` as the ``size`` bounds transformers now reads (the
-        bare keys are deprecated there); the other keys as given."""
+        bare keys are deprecated there); the other keys as given. ``processor`` (default: the
+        image processor) supplies the ``size`` they amend."""
         kwargs = dict(kwargs)
         if "min_pixels" in kwargs or "max_pixels" in kwargs:
-            size = dict(kwargs.pop("size", None) or self.image_processor.size)
+            size = dict(kwargs.pop("size", None) or (processor or self.image_processor).size)
             size = {k: v for k, v in size.items() if v is not None}
             if "min_pixels" in kwargs:
                 size["shortest_edge"] = kwargs.pop("min_pixels")
@@ -175,12 +188,14 @@ class MultiModalProcessor:
                  for (ident, pv, grid), off, n in zip(processed, pieces, lengths)]
         return MultiModalInputs(out_ids, items)
 
-    def _expanded_runs(self, positions: np.ndarray, lengths: list[int]) -> list[int]:
+    def _expanded_runs(self, positions: np.ndarray, lengths: list[int], modality: str = "image",
+                       token_id: int | None = None) -> list[int]:
         """The starts of already expanded placeholder runs, when they match the items exactly."""
         runs = np.split(positions, np.flatnonzero(np.diff(positions) != 1) + 1) if len(positions) else []
         if [len(r) for r in runs] == lengths:
             return [int(r[0]) for r in runs]
+        token_id = self.image_token_id if token_id is None else token_id
         raise InvalidRequestError(
-            f"the prompt has {len(positions)} image placeholder token(s) (id {self.image_token_id}) in "
-            f"{len(runs)} run(s), but `multi_modal_data` has {len(lengths)} image(s): each image needs one "
-            f"placeholder (or a run of exactly its {lengths} expanded tokens)")
+            f"the prompt has {len(positions)} {modality} placeholder token(s) (id {token_id}) in "
+            f"{len(runs)} run(s), but `multi_modal_data` has {len(lengths)} {modality}(s): each {modality} needs "
+            f"one placeholder (or a run of exactly its {lengths} expanded tokens)")

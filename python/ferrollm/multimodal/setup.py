@@ -39,8 +39,10 @@ def build_mm_processor(args: Any, model_config) -> MultiModalProcessor | None:
         return None
     from ferrollm.model_executor.models.qwen2_vl import TEXT_ONLY_ATTR
 
-    limits = check_limits(args.limit_mm_per_prompt)
-    text_only = all(v == 0 for v in limits.values()) or bool(getattr(args, "language_model_only", False))
+    cls = _processor_class(model_config.hf_config)
+    limits = check_limits(args.limit_mm_per_prompt, cls.modalities)
+    text_only = (all(limits[m] == 0 for m in cls.modalities)
+                 or bool(getattr(args, "language_model_only", False)))
     if text_only:
         # The processor still runs, to refuse images with the limit in the message.
         limits = dict.fromkeys(limits, 0)
@@ -49,17 +51,29 @@ def build_mm_processor(args: Any, model_config) -> MultiModalProcessor | None:
                     "is not loaded")
     elif args.tensor_parallel_size > 1:
         raise ConfigError("`tensor_parallel_size` must be 1 for image inputs (not supported yet); pass "
-                          "limit_mm_per_prompt={'image': 0} to run the model on text only. "
+                          f"limit_mm_per_prompt={dict.fromkeys(cls.modalities, 0)} to run the model on text only. "
                           f"Given: {args.tensor_parallel_size}")
     folder = model_config.source.folder
     cache = MultiModalInputCache(cache_capacity_bytes(args.mm_processor_cache_gb))
-    cls = MultiModalProcessor
-    if getattr(model_config.hf_config, "model_type", None) == "gemma3":
-        from ferrollm.multimodal.gemma3_processor import Gemma3MultiModalProcessor as cls
-    elif getattr(model_config.hf_config, "model_type", None) == "internvl":
-        from ferrollm.multimodal.internvl_processor import InternVLMultiModalProcessor as cls
-    elif getattr(model_config.hf_config, "model_type", None) == "internvl_chat":
-        from ferrollm.multimodal.internvl_processor import InternVLChatMultiModalProcessor as cls
-    elif getattr(model_config.hf_config, "model_type", None) == "fuyu":
-        from ferrollm.multimodal.fuyu_processor import FuyuMultiModalProcessor as cls
     return cls(folder, model_config.hf_config, limits, args.mm_processor_kwargs, cache)
+
+
+def _processor_class(hf_config) -> type[MultiModalProcessor]:
+    """The model's processor class; its `modalities` say what `multi_modal_data` may hold."""
+    model_type = getattr(hf_config, "model_type", None)
+    if model_type == "gemma3":
+        from ferrollm.multimodal.gemma3_processor import Gemma3MultiModalProcessor
+        return Gemma3MultiModalProcessor
+    if model_type == "internvl":
+        from ferrollm.multimodal.internvl_processor import InternVLMultiModalProcessor
+        return InternVLMultiModalProcessor
+    if model_type == "internvl_chat":
+        from ferrollm.multimodal.internvl_processor import InternVLChatMultiModalProcessor
+        return InternVLChatMultiModalProcessor
+    if model_type == "fuyu":
+        from ferrollm.multimodal.fuyu_processor import FuyuMultiModalProcessor
+        return FuyuMultiModalProcessor
+    if model_type in ("qwen2_vl", "qwen2_5_vl"):
+        from ferrollm.multimodal.qwen2_vl_processor import Qwen2VLMultiModalProcessor
+        return Qwen2VLMultiModalProcessor
+    return MultiModalProcessor

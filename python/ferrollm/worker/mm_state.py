@@ -43,8 +43,7 @@ class RequestMultiModal:
     def create(cls, model, inputs: MultiModalInputs) -> RequestMultiModal:
         state = cls(inputs)
         if hasattr(model, "mrope_positions"):
-            grids = [it.grid for it in inputs.items]
-            state.positions, state.delta = model.mrope_positions(np.asarray(inputs.prompt_token_ids), grids)
+            state.positions, state.delta = model.mrope_positions(len(inputs.prompt_token_ids), inputs.items)
         return state
 
     def step_positions(self, flat: np.ndarray) -> np.ndarray:

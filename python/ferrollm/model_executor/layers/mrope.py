@@ -4,13 +4,16 @@ each).
 
 Text tokens carry three equal positions, so a text-only sequence rotates exactly as 1-D RoPE.
 An image's placeholder tokens carry (start, start + row, start + column) over its merged patch
-grid, and the text after it resumes at ``start + max(rows, columns)``: a request's positions
-therefore differ from its token indices by a per-request delta after its last image.
+grid; a video's carry (start + time, start + row, start + column), its time the frame group's
+index (Qwen2-VL) or that index scaled to seconds times ``tokens_per_second`` (Qwen2.5-VL). The
+text after an item resumes at ``start + max(rows, columns)``: a request's positions
+therefore differ from its token indices by a per-request delta after its last item (the
+largest position + 1 - the prompt's length).
 
-Where positions are computed: in the model runner, once per request, from the prompt's token
-ids and its images' grids (:func:`mrope_positions`); the Rust core keeps emitting 1-D token
-indices and the runner maps them (prompt rows through the table, later rows by adding the
-delta). The core needs no notion of images for this, and the table costs 24 bytes a prompt token.
+Where positions are computed: in the model runner, once per request, from its items' offsets
+and grids (:func:`mrope_positions`); the Rust core keeps emitting 1-D token indices and the
+runner maps them (prompt rows through the table, later rows by adding the delta). The core
+needs no notion of images for this, and the table costs 24 bytes a prompt token.
 """
 
 from __future__ import annotations
@@ -51,34 +54,37 @@ class MRotaryEmbedding(RotaryEmbedding):
         return self._rotate(query, cos, sin), self._rotate(key, cos, sin)
 
 
-def mrope_positions(token_ids: np.ndarray, image_token_id: int, grids: list[tuple[int, int, int]],
+def mrope_positions(num_tokens: int, spans: list[tuple[int, tuple[int, int, int], float]],
                     spatial_merge_size: int) -> tuple[np.ndarray, int]:
-    """The (t, h, w) positions of a prompt whose images' placeholders are already expanded.
+    """The (t, h, w) positions of a prompt whose items' placeholders are already expanded.
 
     Args:
-        token_ids: the prompt.
-        image_token_id: the placeholder id; each image's run of ``t * h * w / merge**2``
-            placeholders is taken in order.
-        grids: each image's patch grid (t, h, w), in prompt order.
+        num_tokens: the prompt's length.
+        spans: per item, in prompt order: the offset of its first placeholder, its patch grid
+            (t, h, w) (``t * h * w / merge**2`` placeholders from the offset) and its time
+            interval: the temporal position of frame group ``i`` is ``int(i * interval)`` (1 for
+            images and Qwen2-VL's videos; Qwen2.5-VL scales a video's by its seconds per
+            group times ``tokens_per_second``).
         spatial_merge_size: patches merged per side into one token.
 
     Returns:
-        int64 ``[3, len(token_ids)]`` positions and the delta later tokens add to their index.
+        int64 ``[3, num_tokens]`` positions and the delta later tokens add to their index.
     """
-    n = len(token_ids)
-    out = np.empty((3, n), dtype=np.int64)
-    is_image = np.asarray(token_ids) == image_token_id
+    out = np.empty((3, num_tokens), dtype=np.int64)
     cursor, next_pos = 0, 0
-    for t, h, w in grids:
+    for start, (t, h, w), interval in spans:
         gh, gw = h // spatial_merge_size, w // spatial_merge_size
         length = t * gh * gw
-        start = cursor + int(np.argmax(is_image[cursor:]))
         text = start - cursor
         out[:, cursor:start] = np.arange(next_pos, next_pos + text)
         next_pos += text
-        tt, hh, ww = np.meshgrid(np.arange(t), np.arange(gh), np.arange(gw), indexing="ij")
+        # In float32 and truncated after the multiply, as transformers computes it (the
+        # processor's `second_per_grid_ts` is a float32 tensor).
+        frames = (np.arange(t, dtype=np.float32) * np.float32(interval)).astype(np.int64)
+        tt, hh, ww = np.meshgrid(frames, np.arange(gh), np.arange(gw), indexing="ij")
         out[:, start : start + length] = np.stack([tt.ravel(), hh.ravel(), ww.ravel()]) + next_pos
+        # Text after an item resumes past its spatial extent, whatever its temporal one.
         next_pos += max(gh, gw)
         cursor = start + length
-    out[:, cursor:] = np.arange(next_pos, next_pos + n - cursor)
-    return out, (int(out.max()) + 1 - n) if n else 0
+    out[:, cursor:] = np.arange(next_pos, next_pos + num_tokens - cursor)
+    return out, (int(out.max()) + 1 - num_tokens) if num_tokens else 0

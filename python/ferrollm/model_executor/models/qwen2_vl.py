@@ -5,9 +5,10 @@ the prompt's image placeholder tokens, and a Qwen2 decoder rotated by M-RoPE (se
 
 What a multimodal model offers the runner (``worker/mm_state.py``):
 
-- ``encode_images(pixel_values, grids)``: one encoder call over all of a step's new images,
-  split back per image;
-- ``mrope_positions(token_ids, grids)``: a prompt's (t, h, w) positions and its delta;
+- ``encode_images(pixel_values, grids)``: one encoder call over all of a step's new images and
+  videos (a video's patches have an image's layout, attended frame group by frame group),
+  split back per item;
+- ``mrope_positions(num_tokens, items)``: a prompt's (t, h, w) positions and its delta;
 - ``forward(..., mm_embeds=(rows, embeds))``: the step's embeddings with ``embeds`` written at
   the flat token ``rows``.
 
@@ -40,6 +41,7 @@ from ferrollm.model_executor.models.qwen2_vl_vision import (
     Qwen2VisionTransformer,
 )
 from ferrollm.model_executor.models.utils import LanguageModelDelegate, with_engine_settings
+from ferrollm.multimodal.inputs import MultiModalItem
 
 __all__ = ["Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration"]
 
@@ -132,16 +134,21 @@ class Qwen2VLForConditionalGeneration(LanguageModelDelegate, nn.Module):
     # -- multimodal ----------------------------------------------------------------------------
 
     def encode_images(self, pixel_values: torch.Tensor, grids: list[tuple[int, int, int]]) -> list[torch.Tensor]:
-        """Encodes the step's images in one call; returns each image's ``[tokens, hidden]``."""
+        """Encodes the step's images and videos in one call; returns each item's ``[tokens, hidden]``."""
         if self.visual is None:
             raise RuntimeError("the vision tower is not loaded (limit_mm_per_prompt is 0 for every modality)")
         out = self.visual(pixel_values, grids)
         sizes = [t * h * w // self.spatial_merge_size**2 for t, h, w in grids]
         return list(out.split(sizes))
 
-    def mrope_positions(self, token_ids: np.ndarray, grids: list[tuple[int, int, int]]) -> tuple[np.ndarray, int]:
-        """A prompt's ``[3, len]`` M-RoPE positions and the delta of the tokens after it."""
-        return mrope_positions(token_ids, self.image_token_id, grids, self.spatial_merge_size)
+    def mrope_positions(self, num_tokens: int, items: list[MultiModalItem]) -> tuple[np.ndarray, int]:
+        """A prompt's ``[3, num_tokens]`` M-RoPE positions and the delta of the tokens after it."""
+        spans = [(it.offset, it.grid, self._time_interval(it)) for it in items]
+        return mrope_positions(num_tokens, spans, self.spatial_merge_size)
+
+    def _time_interval(self, item: MultiModalItem) -> float:
+        """Qwen2-VL numbers a video's frame groups 0, 1, 2, ... like an image's single one."""
+        return 1.0
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Loads hub or transformers-5 names; ``visual.*`` goes to the encoder (or is skipped
@@ -178,6 +185,12 @@ class Qwen2_5_VLForConditionalGeneration(Qwen2VLForConditionalGeneration):
     """
 
     vision_cls = Qwen2_5_VisionTransformer
+
+    def _time_interval(self, item: MultiModalItem) -> float:
+        """A video's frame groups sit ``tokens_per_second`` positions per second apart."""
+        if item.second_per_grid_t is None:
+            return 1.0
+        return float(np.float32(self.config.vision_config.tokens_per_second) * np.float32(item.second_per_grid_t))
 
     @staticmethod
     def _vision_out_dim(config: PretrainedConfig) -> int:
