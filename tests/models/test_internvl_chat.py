@@ -102,7 +102,7 @@ def test_tiles_are_dynamic_preprocess_tiles(chat, use_thumbnail, tmp_path):
     assert proc.max_tokens_per_item() == (MAX_DYNAMIC_PATCH + use_thumbnail) * TOKENS_PER_TILE
 
 
-def test_limit_0_skips_the_vision_tower(chat, caplog):
+def test_limit_0_skips_the_vision_tower(chat, caplog, capsys):
     folder, hf_model, processor = chat
     with caplog.at_level(logging.INFO, logger="ferrollm"):
         llm = LLM(str(folder), max_model_len=256, limit_mm_per_prompt={"image": 0})
@@ -113,6 +113,9 @@ def test_limit_0_skips_the_vision_tower(chat, caplog):
         # Counted as the checkpoint stores them (qkv fused): 2 layers of 16, 4 embedding tensors, 6 of mlp1.
         assert "skipped the 42 vision tower and projector tensors" in caplog.text
         _check_against_transformers(llm, hf_model, processor, [("a text only prompt", [])])
+        # transformers' tokenizer loads without asking to run the config's remote code.
+        assert llm.get_tokenizer().convert_tokens_to_ids(CONTEXT) == hf_model.config.image_token_id
+        assert "custom code" not in capsys.readouterr().out
         with pytest.raises(ValueError, match=r"At most 0 image.*Given: 1"):
             llm.generate({"prompt": "x<image>", "multi_modal_data": {"image": random_image(4, 30, 30)}},
                          GREEDY, use_tqdm=False)

@@ -145,6 +145,8 @@ def _load_hf(where: Path, revision: str | None, use_fast: bool = True) -> Any:
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(str(where), revision=revision, use_fast=use_fast)
+        # ferrollm never runs a checkpoint's code; saying so keeps transformers from asking on stdin
+        # for folders whose config.json names remote code (InternLM2, InternVLChatModel).
+        return AutoTokenizer.from_pretrained(str(where), revision=revision, use_fast=use_fast, trust_remote_code=False)
     except Exception as e:  # transformers raises OSError, ValueError, ... for unusable files
         raise TokenizerError(f"could not load the tokenizer from {where}: {e}") from e
