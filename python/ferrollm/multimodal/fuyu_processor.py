@@ -136,8 +136,9 @@ def _hw(size: Any) -> tuple[int, int]:
 
 
 def _special_ids(folder: Path) -> tuple[int, int, list[int]]:
-    """``(|NEWLINE| id, <s> id, <0x04>'s ids)`` in the checkpoint's tokenizer (``<0x04>`` as
-    the tokenizer encodes it: one token in Fuyu's own vocabulary)."""
+    """``(|NEWLINE| id, <s> id, <0x04>'s ids)`` in the checkpoint's tokenizer: ``<0x04>`` is one
+    token of Fuyu's vocabulary (taken by id, as vLLM does: encoding it alone could add the
+    SentencePiece prefix), else what the tokenizer makes of the text."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(folder))
@@ -145,4 +146,6 @@ def _special_ids(folder: Path) -> tuple[int, int, list[int]]:
     missing = [t for t in (NEWLINE, BOS) if t not in vocab]
     if missing:
         raise ConfigError(f"Fuyu's tokenizer must have the tokens {[NEWLINE, BOS]}; missing: {missing}")
+    if BEGIN_ANSWER in vocab:
+        return vocab[NEWLINE], vocab[BOS], [vocab[BEGIN_ANSWER]]
     return vocab[NEWLINE], vocab[BOS], list(tok.encode(BEGIN_ANSWER, add_special_tokens=False))
