@@ -219,7 +219,7 @@ def test_stacked_expert_checkpoints_load_the_same_parameters(tmp_path, arch):
 
 
 @pytest.mark.parametrize("name", ["gelu", "gelu_new", "gelu_fast", "gelu_pytorch_tanh", "quick_gelu",
-                                  "relu", "silu"])
+                                  "relu", "relu2", "silu"])
 def test_activations_match_transformers(name):
     from transformers.activations import ACT2FN
 
