@@ -534,6 +534,7 @@ def cpu_gguf_linear(
     bias: _Buffer | None,
     out: _Buffer,
     threads: int,
+    residual: bool = False,
 ) -> None: ...
 def cpu_fp8_linear(
     x: _Buffer,

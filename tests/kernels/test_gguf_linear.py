@@ -36,13 +36,14 @@ def _blocks(qtype: GGMLQuantizationType, out_features: int, in_features: int, se
     return rows.reshape(out_features, -1)
 
 
-def _reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, group: int):
-    """``x @ w.T + bias`` in float64 and the bound the 8-bit rounding of ``x`` keeps within."""
+def _reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, group: int, steps: float = 254):
+    """``x @ w.T + bias`` in float64 and the bound the rounding of ``x`` keeps within: each
+    element within ``max|x_g| / steps`` (254 for 8 bits, 254**2 with the 8-bit residual)."""
     x64, w64 = x.double(), w.double()
     want = x64 @ w64.T + (0 if bias is None else bias.double())
     amax = x64.abs().unflatten(1, (-1, group)).amax(dim=2)  # [rows, groups]
     l1 = w64.abs().unflatten(1, (-1, group)).sum(dim=2)  # [out, groups]
-    bound = (amax / 254) @ l1.T * (1 + 1e-5) + 1e-5 * (x64.abs() @ w64.abs().T) + 1e-6
+    bound = (amax / steps) @ l1.T * (1 + 1e-5) + 1e-5 * (x64.abs() @ w64.abs().T) + 1e-6
     return want, bound
 
 
@@ -136,3 +137,24 @@ def test_interleaved_groups_match_dequantize_then_matmul_and_give_the_blocks_bac
     assert ((got.double() - want).abs() / bound).max().item() <= 1.0
     with pytest.raises(KernelError, match="Q4_0, Q4_1 or Q8_0"):
         interleave(torch.from_numpy(other), Q.Q6_K, IN_FEATURES)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 33])
+def test_residual_activations_bring_the_bound_down_by_254(rows):
+    # The LM head's product: 8-bit values and their 8-bit residual, pairs in one tile, one read
+    # of the weight; interleaved Q8_0 beside a Q6_K in the file's layout.
+    from ferrollm.kernels.cpu.gguf import interleave, interleave_preferred
+
+    data, other = _blocks(Q.Q8_0, 37, IN_FEATURES, 5), _blocks(Q.Q6_K, 5, IN_FEATURES, 6)
+    first = interleave(torch.from_numpy(data), Q.Q8_0, IN_FEATURES) if interleave_preferred(Q.Q8_0) \
+        else (torch.from_numpy(data), Q.Q8_0)
+    w = torch.cat([dequantize(data, Q.Q8_0, (37, IN_FEATURES)), dequantize(other, Q.Q6_K, (5, IN_FEATURES))])
+    x = torch.randn(rows, IN_FEATURES, generator=torch.Generator().manual_seed(rows)) * 3
+    bias = torch.randn(42)
+    weights = [first, (torch.from_numpy(other), Q.Q6_K)]
+    got = gguf_linear_stacked(x, weights, IN_FEATURES, bias, residual=True)
+    want, bound = _reference(x, w, bias, 32, steps=254**2)
+    assert ((got.double() - want).abs() / bound).max().item() <= 1.0
+    # Without the residual the error is of the 8-bit bound's order, far past this one.
+    plain = gguf_linear_stacked(x, weights, IN_FEATURES, bias)
+    assert ((plain.double() - want).abs() / bound).max().item() > 10

@@ -4,7 +4,7 @@
 //! tensor's bytes (usually a view of the memory-mapped file), `out` a contiguous float32 or
 //! bfloat16 tensor the caller has just allocated. The one caller is `ferrollm.kernels.cpu.gguf`.
 
-use ferrollm_kernels::quant::{self, dequantize, interleaved, GgmlType, QuantWeight};
+use ferrollm_kernels::quant::{self, dequantize, interleaved, GgmlType, Isa, QuantWeight};
 use ferrollm_kernels::{Bf16, Element};
 use pyo3::prelude::*;
 
@@ -55,9 +55,10 @@ pub fn cpu_gguf_linear_supported(ggml_type: u32) -> bool {
 /// weights stacked along the output features, each `(ggml_type, (address, bytes), row_stride,
 /// out_features, interleaved)`, its bytes spanning row 0's first byte to the last row's last, row
 /// `n` starting `n * row_stride` bytes in, or (`interleaved`) the rows as `cpu_gguf_interleave`
-/// re-laid them.
+/// re-laid them. With `residual`, `x` meets the blocks as 8-bit values plus their 8-bit residual
+/// (`quant::Activations::Residual`, for the LM head) instead of 8-bit values alone.
 #[pyfunction]
-#[pyo3(signature = (weights, in_features, x, rows, bias, out, threads))]
+#[pyo3(signature = (weights, in_features, x, rows, bias, out, threads, residual=false))]
 #[allow(clippy::too_many_arguments)]
 pub fn cpu_gguf_linear(
     py: Python<'_>,
@@ -68,6 +69,7 @@ pub fn cpu_gguf_linear(
     bias: Option<(usize, usize)>,
     out: (usize, usize),
     threads: usize,
+    residual: bool,
 ) -> PyResult<()> {
     let mut stacked = Vec::with_capacity(weights.len());
     for (ggml_type, data, row_stride, out_features, interleaved) in weights {
@@ -81,7 +83,9 @@ pub fn cpu_gguf_linear(
     }
     // SAFETY: as above; `out` is a fresh tensor aliasing nothing.
     let (x, bias, out) = unsafe { (view::<f32>(x), bias.map(|b| view::<f32>(b)), view_mut::<f32>(out)) };
-    py.detach(|| quant::matmul_stacked(&stacked, x, rows, bias, out, threads)).map_err(kernel_error)
+    let activations = if residual { quant::Activations::Residual } else { quant::Activations::Int8 };
+    py.detach(|| quant::matmul_stacked_on(Isa::detect(), activations, &stacked, x, rows, bias, out, threads))
+        .map_err(kernel_error)
 }
 
 /// Whether the Q4_0/Q4_1/Q8_0 group layout (`ferrollm_kernels::quant::interleaved`) pays for

@@ -31,7 +31,7 @@ pub mod w8a8;
 pub mod wq;
 
 pub use dot::Isa;
-pub use matmul::{matmul, matmul_stacked, matmul_stacked_on, QuantWeight};
+pub use matmul::{matmul, matmul_stacked, matmul_stacked_on, Activations, QuantWeight};
 
 use crate::element::Element;
 use crate::error::{check_len, KernelError};

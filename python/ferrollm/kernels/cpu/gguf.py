@@ -137,12 +137,17 @@ def deinterleave(blocks: InterleavedBlocks, in_features: int) -> torch.Tensor:
 
 
 def gguf_linear_stacked(x: torch.Tensor, weights: list[Segment], in_features: int,
-                        bias: torch.Tensor | None = None) -> torch.Tensor:
+                        bias: torch.Tensor | None = None, residual: bool = False) -> torch.Tensor:
     """:func:`gguf_linear` for a weight the file holds as several tensors (q, k, v; gate, up):
     ``x @ cat(W₀, W₁, ...).T + bias`` in one call, with one quantization of ``x``, the weights'
     output features side by side in the result. ``weights`` are ``(blocks, ggml_type)`` pairs as
     :func:`gguf_linear` takes them, or :class:`InterleavedBlocks`, of any supported types; ``bias``
-    covers all their features."""
+    covers all their features.
+
+    ``residual``: ``x`` is quantized to 8 bits and what that leaves over to 8 bits again, the two
+    products summed (twice the integer work, one read of the weight): each element within
+    ``max|x| / 254**2`` of its 32-block instead of ``max|x| / 254``. The LM head takes it, where
+    8-bit rounding of the last hidden state can flip a greedy token."""
     if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != in_features:
         raise KernelError(f"`x` must be float32 [rows, {in_features}]. Given: {x.dtype} {list(x.shape)}")
     stacked = [segment_buffer(w, in_features) for w in weights]
@@ -155,7 +160,7 @@ def gguf_linear_stacked(x: torch.Tensor, weights: list[Segment], in_features: in
     # `x`, `weights`, `bias` and `out` stay referenced here until the kernel returns.
     _core.cpu_gguf_linear(stacked, in_features, (x.data_ptr(), x.numel()), x.shape[0],
                           None if bias is None else (bias.data_ptr(), bias.numel()),
-                          (out.data_ptr(), out.numel()), _threads())
+                          (out.data_ptr(), out.numel()), _threads(), residual)
     return out
 
 

@@ -20,7 +20,6 @@ from ferrollm.distributed import (
 )
 from ferrollm.model_executor.layers.cpu_weights import CpuWeight, build_cpu_weight, dense_linear
 from ferrollm.model_executor.layers.quantization.forms import QuantizedLinear, build_quantized_form
-from ferrollm.model_executor.layers.quantization.gguf import head_weight
 from ferrollm.model_executor.layers.quantization.qweights import GGUFWeight
 from ferrollm.model_executor.weight_utils import check_shape, copy_weight, share_or_copy
 
@@ -158,7 +157,9 @@ class ParallelLMHead(VocabParallelEmbedding):
         and twice."""
         blocks = getattr(self.weight, "gguf", None)
         if blocks is not None and self._cpu is None:
-            self._cpu = build_quantized_form([(0, head_weight(blocks))], torch.device("cpu"))
+            # 8-bit rounding of the last hidden state tipped SmolLM2-135M's greedy text into
+            # repetition where llama.cpp's did not: the head meets it with its residual too.
+            self._cpu = build_quantized_form([(0, blocks)], torch.device("cpu"), residual_activations=True)
             return
         if form is None or self._cpu is not None:
             return

@@ -17,7 +17,7 @@
 //! block_len` whole blocks; a tensor-parallel shard is such a view (the caller slices whole
 //! blocks). An `interleaved` weight is instead Q4_0, Q4_1 or Q8_0 re-laid in groups of 16 rows
 //! ([`super::interleaved`]); a thread then takes the groups whose first row falls in its share. Results differ from `x · dequantize(W)ᵀ` by the activation rounding bounded in
-//! [`super::act`].
+//! [`super::act`], or with [`Activations::Residual`] by its square.
 
 use std::ops::Range;
 
@@ -35,6 +35,19 @@ pub const MAX_TILE: usize = 4;
 const CHUNK_BYTES: usize = 128 * 1024;
 /// Fewer output rows per thread than this run on the calling thread alone.
 const MIN_ROWS_PER_THREAD: usize = 16;
+// A residual pair of rows must fall in one tile (see `Job::store`).
+const _: () = assert!(MAX_TILE.is_multiple_of(2));
+
+/// How the rows of `x` are quantized to meet the weight's integer blocks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Activations {
+    /// 8-bit blocks (as llama.cpp's): each element within `max|x| / 254` of its group.
+    Int8,
+    /// 8-bit blocks and the 8-bit blocks of what they leave over, each pair's products summed:
+    /// within `max|x| / 254²`, at twice the integer work of `Int8` and the same weight reads.
+    /// For the LM head, where 8-bit rounding of the last hidden state can flip a greedy token.
+    Residual,
+}
 
 /// A GGUF weight `[out_features, in_features]` as its blocks.
 #[derive(Clone, Copy, Debug)]
@@ -143,7 +156,16 @@ pub fn matmul(
     out: &mut [f32],
     threads: usize,
 ) -> Result<(), KernelError> {
-    matmul_stacked_on(Isa::detect(), std::slice::from_ref(weight), x, rows, bias, out, threads)
+    matmul_stacked_on(
+        Isa::detect(),
+        Activations::Int8,
+        std::slice::from_ref(weight),
+        x,
+        rows,
+        bias,
+        out,
+        threads,
+    )
 }
 
 /// [`matmul`] for the weight made of `weights` stacked along the output features (each may be
@@ -157,13 +179,16 @@ pub fn matmul_stacked(
     out: &mut [f32],
     threads: usize,
 ) -> Result<(), KernelError> {
-    matmul_stacked_on(Isa::detect(), weights, x, rows, bias, out, threads)
+    matmul_stacked_on(Isa::detect(), Activations::Int8, weights, x, rows, bias, out, threads)
 }
 
 /// [`matmul_stacked`] with the products compiled for `isa`, which this CPU must have (see
-/// [`Isa::available`]); for tests and benchmarks of each path.
+/// [`Isa::available`]; tests and benchmarks pick each path), and `x` quantized as `activations`
+/// says.
+#[allow(clippy::too_many_arguments)]
 pub fn matmul_stacked_on(
     isa: Isa,
+    activations: Activations,
     weights: &[QuantWeight<'_>],
     x: &[f32],
     rows: usize,
@@ -194,7 +219,8 @@ pub fn matmul_stacked_on(
     if let Some(bias) = bias {
         check_len("bias", bias.len(), out_features)?;
     }
-    let quantized = Quantized::new(weights, x);
+    let quantized = Quantized::new(weights, x, activations);
+    let pairs = activations == Activations::Residual;
     let mut offset = 0;
     let jobs: Vec<Job<'_>> = weights
         .iter()
@@ -202,7 +228,7 @@ pub fn matmul_stacked_on(
             let job = Job {
                 weight,
                 x: quantized.for_type(weight.ggml_type),
-                rows,
+                pairs,
                 bias: bias.map(|b| &b[offset..offset + weight.out_features]),
                 kernels: Kernels::new(weight, isa),
                 offset,
@@ -234,13 +260,17 @@ struct Quantized {
 }
 
 impl Quantized {
-    fn new(weights: &[QuantWeight<'_>], x: &[f32]) -> Self {
+    fn new(weights: &[QuantWeight<'_>], x: &[f32], activations: Activations) -> Self {
         let in_features = weights[0].in_features;
         let mut by_len: Vec<(usize, QuantizedRows)> = Vec::new();
         for weight in weights {
             let len = weight.ggml_type.block_len();
             if !by_len.iter().any(|(l, _)| *l == len) {
-                by_len.push((len, QuantizedRows::new(x, in_features, len)));
+                let rows = match activations {
+                    Activations::Int8 => QuantizedRows::new(x, in_features, len),
+                    Activations::Residual => QuantizedRows::with_residual(x, in_features, len),
+                };
+                by_len.push((len, rows));
             }
         }
         Quantized { by_len }
@@ -280,11 +310,12 @@ impl Kernels {
 }
 
 /// One stacked weight's share of the product: its columns start at `offset` in rows of
-/// `out_stride` floats of `out`.
+/// `out_stride` floats of `out`. With `pairs`, rows `2i` and `2i + 1` of `x` are one row of the
+/// input quantized with its residual ([`Activations::Residual`]), and their products add up.
 struct Job<'a> {
     weight: &'a QuantWeight<'a>,
     x: &'a QuantizedRows,
-    rows: usize,
+    pairs: bool,
     bias: Option<&'a [f32]>,
     kernels: Kernels,
     offset: usize,
@@ -306,14 +337,15 @@ impl Job<'_> {
             }
         };
         let chunk = (CHUNK_BYTES / unit_bytes.max(1)).max(1);
+        let rows = self.x.rows();
         let mut start = span.start;
         while start < span.end {
             let units = start..(start + chunk).min(span.end);
             let mut first = 0;
-            while first < self.rows {
+            while first < rows {
                 let x = |r: usize| self.x.row(first + r);
                 let u = units.clone();
-                match (&self.kernels, self.rows - first) {
+                match (&self.kernels, rows - first) {
                     (Kernels::Rows(one, ..), 1) => self.tile(*one, u, [x(0)], first, out),
                     (Kernels::Rows(_, two, ..), 2) => self.tile(*two, u, [x(0), x(1)], first, out),
                     (Kernels::Rows(_, _, three, _), 3) => {
@@ -351,10 +383,7 @@ impl Job<'_> {
         for g in groups {
             let dots = dot(self.weight.data.as_ptr().add(g * self.weight.group_bytes()), blocks, &xs);
             for n in g * GROUP..(g * GROUP + GROUP).min(self.weight.out_features) {
-                let bias = self.bias.map_or(0.0, |b| b[n]);
-                for (r, dots) in dots.iter().enumerate() {
-                    *out.get().add((first + r) * self.out_stride + self.offset + n) = dots[n % GROUP] + bias;
-                }
+                self.store(n, std::array::from_fn::<f32, M, _>(|r| dots[r][n % GROUP]), first, out);
             }
         }
     }
@@ -372,10 +401,33 @@ impl Job<'_> {
         out: &openmp::SharedMut<f32>,
     ) {
         for n in features {
-            let dots = dot(self.weight.row(n), &xs);
-            let bias = self.bias.map_or(0.0, |b| b[n]);
+            self.store(n, dot(self.weight.row(n), &xs), first, out);
+        }
+    }
+
+    /// Output feature `n` of rows `first..first + M` of `x` (`dots`), with the bias, into `out`;
+    /// with `pairs` each pair summed into one row (`first` and `M` are even: tiles hold
+    /// [`MAX_TILE`] rows but for the last, and the row count is even).
+    ///
+    /// # Safety
+    /// As [`Job::run`].
+    #[inline(always)]
+    unsafe fn store<const M: usize>(
+        &self,
+        n: usize,
+        dots: [f32; M],
+        first: usize,
+        out: &openmp::SharedMut<f32>,
+    ) {
+        let bias = self.bias.map_or(0.0, |b| b[n]);
+        let at = |row: usize| out.get().add(row * self.out_stride + self.offset + n);
+        if self.pairs {
+            for (r, pair) in dots.chunks_exact(2).enumerate() {
+                *at(first / 2 + r) = pair[0] + pair[1] + bias;
+            }
+        } else {
             for (r, dot) in dots.into_iter().enumerate() {
-                *out.get().add((first + r) * self.out_stride + self.offset + n) = dot + bias;
+                *at(first + r) = dot + bias;
             }
         }
     }
@@ -425,6 +477,47 @@ mod tests {
                 for (g, e) in out.iter().zip(&want) {
                     // |x| <= 1, so each product moves by at most 1/254 of its weight (see `act`).
                     assert!((g - e).abs() <= scale / 254.0 + 1e-4, "{t:?} rows={rows}: {g} vs {e}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn residual_activations_bring_the_error_down_by_254() {
+        for (t, interleave) in [(GgmlType::Q8_0, false), (GgmlType::Q8_0, true), (GgmlType::Q6K, false)] {
+            if interleave && !Isa::available().contains(&Isa::Avx512Vnni) {
+                continue;
+            }
+            let (out_features, in_features) = (37, 2 * t.block_len().max(64));
+            let (data, dense, stride) = weight(t, out_features, in_features, 0);
+            let mut packed = vec![0u8; interleaved::interleaved_len(t, out_features, in_features)];
+            let w = QuantWeight {
+                ggml_type: t,
+                data: &data,
+                row_stride: stride,
+                out_features,
+                in_features,
+                interleaved: false,
+            };
+            let w = if interleave {
+                interleaved::interleave(t, &data, stride, out_features, in_features, &mut packed).unwrap();
+                QuantWeight { data: &packed, interleaved: true, ..w }
+            } else {
+                w
+            };
+            let l1 = dense.chunks(in_features).map(|w| w.iter().map(|v| v.abs()).sum::<f32>());
+            let scale = l1.fold(0.0f32, f32::max);
+            // Every tile height: 1, 2 and 3 rows are 2, 4 (one tile) and 6 (4 + 2) quantized rows.
+            for rows in [1, 2, 3] {
+                let (x, b) = (values(rows * in_features, 8), values(out_features, 2));
+                let mut out = vec![0.0f32; rows * out_features];
+                let isa = Isa::detect();
+                matmul_stacked_on(isa, Activations::Residual, &[w], &x, rows, Some(&b), &mut out, 2).unwrap();
+                let want = linear(&x, &dense, Some(&b), rows, out_features, in_features);
+                for (g, e) in out.iter().zip(&want) {
+                    // |x| <= 1: the residual's step is at most 1/127 of the value's.
+                    let bound = scale / (254.0 * 127.0) + 1e-5 * (1.0 + e.abs());
+                    assert!((g - e).abs() <= bound, "{t:?} interleaved={interleave} rows={rows}: {g} vs {e}");
                 }
             }
         }

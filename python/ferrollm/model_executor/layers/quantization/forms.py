@@ -27,11 +27,14 @@ class QuantizedLinear:
     """One layer's quantized weight and the kernel that multiplies by it."""
 
     def __init__(self, weight: qw.QuantizedWeight | list[qw.GGUFWeight], device: torch.device,
-                 backend: str | None = None):
+                 backend: str | None = None, residual_activations: bool = False):
         """``backend``: ``"cpu"`` (the Rust kernels) or ``"triton"``; by default the device's
-        (the tests run the Triton kernels on CPU tensors under ``TRITON_INTERPRET=1``)."""
+        (the tests run the Triton kernels on CPU tensors under ``TRITON_INTERPRET=1``).
+        ``residual_activations``: GGUF blocks meet the activations' 8-bit values and their 8-bit
+        residual (`gguf_linear_stacked`'s ``residual``), for the LM head."""
         self.source = weight
         self.device = device
+        self.residual_activations = residual_activations
         self.on_cpu = (backend or ("cpu" if device.type == "cpu" else "triton")) == "cpu"
         self._prepare()
 
@@ -85,7 +88,7 @@ class QuantizedLinear:
         if self.kind == "gguf":
             from ferrollm.kernels.cpu.gguf import gguf_linear_stacked
 
-            return gguf_linear_stacked(x, self.segments, self.in_features, bias)
+            return gguf_linear_stacked(x, self.segments, self.in_features, bias, self.residual_activations)
         if isinstance(w, qw.IntWeight):
             if w.perm is not None:
                 x = x[:, w.perm].contiguous()
@@ -202,6 +205,7 @@ def _kernels(on_cpu: bool):
     return triton_quant
 
 
-def build_quantized_form(blocks: list[tuple[int, qw.QuantizedWeight]], device: torch.device) -> QuantizedLinear:
+def build_quantized_form(blocks: list[tuple[int, qw.QuantizedWeight]], device: torch.device,
+                         residual_activations: bool = False) -> QuantizedLinear:
     """The layer's form from its row blocks, which tile the weight in order (`RowBlocks.ordered`)."""
-    return QuantizedLinear(qw.cat([b for _, b in blocks]), device)
+    return QuantizedLinear(qw.cat([b for _, b in blocks]), device, residual_activations=residual_activations)

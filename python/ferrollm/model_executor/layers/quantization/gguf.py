@@ -20,7 +20,7 @@ from ferrollm.model_executor.ggml_types import type_name
 from ferrollm.model_executor.layers.quantization import qweights as qw
 from ferrollm.model_executor.layers.quantization.base_config import LinearQuantMethod, QuantizationConfig
 
-__all__ = ["GGUFConfig", "head_weight"]
+__all__ = ["GGUFConfig"]
 
 logger = logging.getLogger(__name__)
 
@@ -102,20 +102,3 @@ def _has_kernel(ggml_type: int | None) -> bool:
     from ferrollm.kernels.cpu.gguf import gguf_linear_supported
 
     return gguf_linear_supported(ggml_type)
-
-
-_Q8_0 = 8
-
-
-def head_weight(blocks: qw.GGUFWeight) -> qw.QuantizedWeight:
-    """The LM head's weight: a Q8_0 table (the usual tied embedding) as int8 with a scale per 32
-    columns, which the weight-only kernel multiplies by float activations, so the logits are the
-    float table's to float32 rounding. The block kernel's 8-bit rounding of the hidden state
-    tipped SmolLM2-135M's greedy text into repetition where llama.cpp's did not; a head is one
-    layer of many, so the exact product costs little. Other types stay blocks."""
-    if blocks.ggml_type != _Q8_0:
-        return blocks
-    raw = blocks.data.contiguous().view(blocks.data.shape[0], -1, 34)
-    scales = raw[:, :, :2].contiguous().view(torch.float16).reshape(raw.shape[0], -1).float()
-    q = raw[:, :, 2:].contiguous().view(torch.int8).reshape(raw.shape[0], -1)
-    return qw.IntWeight(q, scales, None, 8, 32)

@@ -1,6 +1,6 @@
 use super::*;
 use crate::quant::act::QuantizedRows;
-use crate::quant::matmul::{matmul_stacked_on, QuantWeight};
+use crate::quant::matmul::{matmul_stacked_on, Activations, QuantWeight};
 use crate::quant::subblocks::tests::random_blocks;
 use crate::test_support::values;
 
@@ -58,8 +58,8 @@ fn matmul_both(isa: Isa, t: GgmlType, out: usize, in_features: usize, rows_x: us
     let (x, bias) = (values(rows_x * in_features, 9), values(out, 4));
     let mut want = vec![0.0f32; rows_x * out];
     let mut got = vec![0.0f32; rows_x * out];
-    matmul_stacked_on(isa, &[plain], &x, rows_x, Some(&bias), &mut want, 2).unwrap();
-    matmul_stacked_on(isa, &[groups], &x, rows_x, Some(&bias), &mut got, 2).unwrap();
+    matmul_stacked_on(isa, Activations::Int8, &[plain], &x, rows_x, Some(&bias), &mut want, 2).unwrap();
+    matmul_stacked_on(isa, Activations::Int8, &[groups], &x, rows_x, Some(&bias), &mut got, 2).unwrap();
     (got, want)
 }
 
@@ -126,8 +126,9 @@ fn refuses_other_formats_and_short_buffers() {
         in_features: 32,
         interleaved: true,
     };
-    let err = matmul_stacked_on(Isa::Portable, &[w], &[0.0; 32], 1, None, &mut [0.0; 2], 1)
-        .unwrap_err()
-        .to_string();
+    let err =
+        matmul_stacked_on(Isa::Portable, Activations::Int8, &[w], &[0.0; 32], 1, None, &mut [0.0; 2], 1)
+            .unwrap_err()
+            .to_string();
     assert!(err.contains("`data` must be at least 288 bytes (2 interleaved rows)"), "{err}");
 }
