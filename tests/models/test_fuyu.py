@@ -4,7 +4,7 @@ tokens and log-probabilities for image prompts laid out as ``FuyuProcessor`` lay
 batched with a text request, with chunked prefill splitting the images and prefix-cache hits;
 ``mm_processor_kwargs``' ``size`` changes the patch grid as the image processor does; an already
 expanded prompt and transformers 5's weight names load; one image per prompt;
-`limit_mm_per_prompt={"image": 0}` skips ``vision_embed_tokens`` (and runs on two ranks)."""
+`limit_mm_per_prompt={"image": 0}` skips ``vision_embed_tokens``; two ranks run images too."""
 
 from __future__ import annotations
 
@@ -77,15 +77,16 @@ def test_size_from_mm_processor_kwargs_sets_the_patch_grid(fuyu):
     assert list(out.prompt_token_ids).count(speaker) == list(again.prompt_token_ids).count(speaker) == 6
 
 
-def test_two_ranks_run_the_text_only_model_as_one_does(fuyu):
+def test_two_ranks_match_transformers_and_run_the_text_only_model_as_one_does(fuyu):
     folder, prompts = fuyu[0], ["hello there", "a longer text only request"]
+    with LLM(str(folder), max_model_len=256, tensor_parallel_size=2) as llm:
+        # The driver embeds the patches and sends the rows to the other rank (worker/mm_broadcast.py).
+        _check_against_transformers(llm, fuyu, [("caption", random_image(4, 40, 70)), (prompts[0], None)])
     outs = []
     for tp in (1, 2):
         with LLM(str(folder), max_model_len=128, tensor_parallel_size=tp, limit_mm_per_prompt={"image": 0}) as llm:
             outs.append([list(o.outputs[0].token_ids) for o in llm.generate(prompts, GREEDY, use_tqdm=False)])
     assert outs[0] == outs[1]
-    with pytest.raises(ValueError, match=r"`tensor_parallel_size` must be 1 for image inputs"):
-        LLM(str(folder), max_model_len=128, tensor_parallel_size=2)
 
 
 def _transformers5_name(name: str) -> str:

@@ -56,6 +56,16 @@ def test_images_match_transformers_batched_with_text(gemma3):
         _check_against_transformers(llm, hf_model, processor, prompts[:2])
 
 
+def test_two_ranks_match_transformers(gemma3):
+    # The driver encodes and sends the workers the image embeddings and the spans they attend
+    # both ways inside (worker/mm_broadcast.py).
+    folder, hf_model, processor = gemma3
+    prompts = [(f"two{IMAGE} and{IMAGE} compared", [random_image(1, 120, 200), random_image(0, 60, 90)]),
+               ("plain text request without images", [])]
+    with LLM(str(folder), max_model_len=256, tensor_parallel_size=2) as llm:
+        _check_against_transformers(llm, hf_model, processor, prompts)
+
+
 def test_a_small_step_budget_never_splits_an_image(gemma3):
     folder, hf_model, processor = gemma3
     # 20-token steps would cut the images' 16 soft tokens; the scheduler keeps each image whole.

@@ -73,6 +73,15 @@ def test_chunked_prefill_splits_an_image_and_still_matches(vl):
                                                     ("and a text request beside it", [])])
 
 
+def test_two_ranks_match_transformers(qwen2_vl):
+    # The driver encodes and sends the workers the M-RoPE positions and image embeddings
+    # (worker/mm_broadcast.py); a 24-token budget splits the image across steps.
+    folder, hf_model = qwen2_vl
+    prompts = [(f"look{IMAGE} here", [random_image(3, 64, 92)]), ("text only beside it", [])]
+    with _llm(folder, tensor_parallel_size=2, max_num_batched_tokens=24, max_num_seqs=2) as llm:
+        _check_against_transformers(llm, hf_model, prompts)
+
+
 def test_prompt_token_ids_with_one_placeholder_per_image(qwen2_vl):
     folder, hf_model = qwen2_vl
     with _llm(folder) as llm:

@@ -64,6 +64,18 @@ def tensor_model_parallel_all_reduce(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def tensor_model_parallel_broadcast(x: torch.Tensor) -> torch.Tensor:
+    """Rank 0's ``x`` on every rank, in place; returns ``x``.
+
+    Args:
+        x: on rank 0 the data, on the others a tensor of the same shape and dtype to receive it.
+    """
+    if _TP_SIZE > 1:
+        src = 0 if _TP_GROUP is None else dist.get_global_rank(_TP_GROUP, 0)
+        dist.broadcast(x, src=src, group=_TP_GROUP)
+    return x
+
+
 def tensor_model_parallel_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """Concatenates every rank's ``x`` along ``dim``, in rank order.
 

@@ -28,8 +28,7 @@ def build_mm_processor(args: Any, model_config) -> MultiModalProcessor | None:
     is 0 the model config is marked text-only, so the vision tower is not built.
 
     Raises:
-        ConfigError: multimodal options on a text model, bad limits or processor kwargs, or
-            images with `tensor_parallel_size` > 1 (not supported yet).
+        ConfigError: multimodal options on a text model, bad limits or processor kwargs.
     """
     if model_config.is_pooling or not is_multimodal(model_config):
         given = [n for n in ("limit_mm_per_prompt", "mm_processor_kwargs") if getattr(args, n, None)]
@@ -49,10 +48,6 @@ def build_mm_processor(args: Any, model_config) -> MultiModalProcessor | None:
         setattr(model_config.hf_config, TEXT_ONLY_ATTR, True)
         logger.info("limit_mm_per_prompt is 0 for every modality (or language_model_only): the vision tower "
                     "is not loaded")
-    elif args.tensor_parallel_size > 1:
-        raise ConfigError("`tensor_parallel_size` must be 1 for image inputs (not supported yet); pass "
-                          f"limit_mm_per_prompt={dict.fromkeys(cls.modalities, 0)} to run the model on text only. "
-                          f"Given: {args.tensor_parallel_size}")
     folder = model_config.source.folder
     cache = MultiModalInputCache(cache_capacity_bytes(args.mm_processor_cache_gb))
     return cls(folder, model_config.hf_config, limits, args.mm_processor_kwargs, cache)

@@ -19,12 +19,14 @@ import torch
 
 from ferrollm._core import SamplingOptions, SchedulerOutput
 from ferrollm.attention.backend import AttentionMetadata
+from ferrollm.distributed.parallel_state import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 from ferrollm.model_executor.sampler import Sampler, compute_prompt_logprobs
 from ferrollm.model_executor.sampling_metadata import SamplingMetadata
 from ferrollm.multimodal.inputs import MultiModalInputs
 from ferrollm.sampling_params import SamplingParams
 from ferrollm.worker.cpu_allocator import keep_freed_memory
 from ferrollm.worker.cuda_graph import CudaGraphRunner
+from ferrollm.worker.mm_broadcast import broadcast_multimodal_step
 from ferrollm.worker.mm_state import RequestMultiModal, image_spans, prepare_multimodal_step
 from ferrollm.worker.request_state import CachedRequestState
 
@@ -144,9 +146,7 @@ class ModelRunner:
         input_ids = torch.from_numpy(step.input_ids).to(self.device)
         states = [self.requests[i] for i in step.req_indices.tolist()]
         if self.is_multimodal:
-            positions, mm_embeds = prepare_multimodal_step(self.model, step, [s.mm for s in states], self.device)
-            if mm_embeds is not None and getattr(self.model, "bidirectional_mm_attention", False):
-                meta.image_spans = image_spans(step, [s.mm for s in states])
+            positions, mm_embeds, meta.image_spans = self._multimodal_step(step, states)
             hidden = self.forward(input_ids, positions, self.kv_caches, meta, mm_embeds=mm_embeds)
         else:
             positions = torch.from_numpy(step.positions).to(self.device)
@@ -171,6 +171,20 @@ class ModelRunner:
         sampled[rows] = out.sampled_token_ids.cpu().numpy()
         self._record_samples(sampling_states, sampled[rows], out)
         return sampled
+
+    def _multimodal_step(self, step: SchedulerOutput, states: list[CachedRequestState]):
+        """The step's positions, placeholder embeddings and (for models attending both ways
+        inside an image) image spans. The driver holds the images and encodes them; with
+        tensor parallelism it sends the result to the other ranks (`mm_broadcast`)."""
+        positions, embeds, spans = torch.from_numpy(step.positions).to(self.device), None, None
+        if get_tensor_model_parallel_rank() == 0:
+            mm = [s.mm for s in states]
+            positions, embeds = prepare_multimodal_step(self.model, step, mm, self.device)
+            if embeds is not None and getattr(self.model, "bidirectional_mm_attention", False):
+                spans = image_spans(step, mm)
+        if get_tensor_model_parallel_world_size() > 1:
+            positions, embeds, spans = broadcast_multimodal_step(positions, embeds, spans, self.device)
+        return positions, embeds, spans
 
     def _sampling_metadata(self, step: SchedulerOutput, rows: np.ndarray, states: list[CachedRequestState]) -> SamplingMetadata:
         params = [s.params for s in states]
