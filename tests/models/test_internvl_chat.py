@@ -141,3 +141,24 @@ def test_unsupported_layouts_are_config_errors(chat, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({**config, "llm_config": llm_config}))
     with pytest.raises(ConfigError, match=r"llm_config.architectures.*Phi3ForCausalLM"):
         load_hf_config(tmp_path)
+
+
+# InternLM2's template prints each message's content as a string: it knows nothing of images.
+STRING_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                   "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_chat_writes_the_image_placeholder_before_the_text_for_a_string_template(chat):
+    # As vLLM's "string" content format: "<image>" per image part, then the text, one per line.
+    folder, hf_model, processor = chat
+    image = random_image(2, 50, 60)
+    message = [{"role": "user", "content": [{"type": "text", "text": "what is it"},
+                                            {"type": "image_pil", "image_pil": image}]}]
+    expected = "<|im_start|>user\n<image>\nwhat is it<|im_end|>\n<|im_start|>assistant\n"
+    with LLM(str(folder), max_model_len=256) as llm:
+        (out,) = llm.chat(message, GREEDY, use_tqdm=False, chat_template=STRING_TEMPLATE)
+        assert out.prompt == expected
+        (want,) = _check_against_transformers(llm, hf_model, processor, [(expected, [image])])
+        assert list(out.outputs[0].token_ids) == list(want.outputs[0].token_ids)
+        with pytest.raises(ValueError, match=r"`chat_template_content_format` must be one of .*Given: 'text'"):
+            llm.chat(message, GREEDY, chat_template=STRING_TEMPLATE, chat_template_content_format="text")

@@ -63,7 +63,7 @@ GROUP_REASONS: dict[str, str] = {
                       "expert or context parallelism, no multi-node and no Ray",
     "CacheConfig": "not supported by ferrollm's paged KV cache",
     "OffloadConfig": "weight offloading to CPU memory is not supported",
-    "MultiModalConfig": "not supported by ferrollm's multimodal path (images for Qwen2-VL, Qwen2.5-VL, Gemma 3 and InternVL)",
+    "MultiModalConfig": "not supported by ferrollm's multimodal path (images and video frames for Qwen2-VL and Qwen2.5-VL; images for Gemma 3, InternVL, InternVL2 and Fuyu)",
     "LoRAConfig": "LoRA adapters are not supported",
     "LoggingConfig": "ferrollm logs through the standard `logging` module (logger 'ferrollm'); "
                      "configure it there",
@@ -214,8 +214,8 @@ _TABLE: list[tuple[str, list[tuple[str, Any, tuple[str | None, str | None]]]]] =
         ("offload_params", set())]]),
     ("MultiModalConfig", [
         ("language_model_only", False, _works("multimodal/setup.py: the vision tower is not loaded")),
-        ("limit_mm_per_prompt", DEFAULT_CONFIG, _works("multimodal/processor.py (images; 0 for all: no vision tower)")),
-        ("mm_processor_kwargs", None, _works("multimodal/processor.py (the image processor's keys)")),
+        ("limit_mm_per_prompt", DEFAULT_CONFIG, _works("multimodal/processor.py (images, video for Qwen2-VL; 0 for all: no vision tower)")),
+        ("mm_processor_kwargs", None, _works("multimodal/processor.py (the image and video processors' keys)")),
         ("mm_processor_cache_gb", 4, _works("multimodal/cache.py (the Rust core's LRU; env var when None)")),
         *[(n, d, _refused()) for n, d in [
             ("enable_mm_embeds", False),

@@ -22,6 +22,7 @@ from ferrollm.entrypoints.pooling import PoolingMixin
 from ferrollm.entrypoints.prompts import multimodal_fields, normalize_prompts
 from ferrollm.exceptions import ConfigError, InvalidRequestError
 from ferrollm.multimodal.chat import extract_images, processor_chat_template
+from ferrollm.multimodal.content_format import join_parts, resolve_content_format
 from ferrollm.multimodal.requests import process_multimodal
 from ferrollm.outputs import RequestOutput
 from ferrollm.beam_search import BeamSearchOutput
@@ -220,6 +221,7 @@ class LLM(PoolingMixin):
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         chat_template: str | None = None,
+        chat_template_content_format: str = "auto",
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
@@ -233,6 +235,9 @@ class LLM(PoolingMixin):
                 "image_url": {"url": data: URL or local path}}``, ``{"type": "image_pil"}``.
             sampling_params: as in `generate`.
             chat_template: a Jinja template to use instead of the tokenizer's.
+            chat_template_content_format: "auto" (read from the template), "string" (each
+                message's parts joined into one string, the model's placeholder per image
+                first: InternVL2's template takes that) or "openai" (the parts as a list).
             add_generation_prompt: end the prompt with the assistant's turn header.
             continue_final_message: continue the last (assistant) message instead.
             chat_template_kwargs: extra variables for the template.
@@ -248,10 +253,15 @@ class LLM(PoolingMixin):
             chat_template = processor_chat_template(self._engine().model_config.source.folder)
         if chat_template is None and getattr(tok, "chat_template", None) is None:
             raise InvalidRequestError("`chat_template` must be given: the tokenizer has no chat template")
+        content_format = resolve_content_format(chat_template_content_format, chat_template or tok.chat_template)
+        mm_processor = self._engine().mm_processor
+        placeholders = mm_processor.placeholders if mm_processor is not None else {}
         prompts: list[Any] = []
         for conv in conversations:
             # `image_url`/`image_pil` parts become the template's image parts plus multi_modal_data.
             conv, images = extract_images(conv)
+            if content_format == "string":
+                conv = join_parts(conv, placeholders)
             text = tok.apply_chat_template(
                 conv, tokenize=False, chat_template=chat_template,
                 add_generation_prompt=add_generation_prompt and not continue_final_message,

@@ -44,6 +44,8 @@ class FuyuMultiModalProcessor(MultiModalProcessor):
     """
 
     image_processor_backend = "torchvision"
+    # Nothing in the text: the processor puts the image's run before the prompt itself.
+    placeholders = {"image": ""}
 
     def __init__(self, folder: Path, hf_config: Any, limits: dict[str, int], default_kwargs: dict[str, Any] | None,
                  *args: Any, **kwargs: Any):

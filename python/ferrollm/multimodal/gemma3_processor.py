@@ -33,6 +33,8 @@ class Gemma3MultiModalProcessor(MultiModalProcessor):
     """Processes one request's images for ``Gemma3ForConditionalGeneration`` (arguments as
     :class:`MultiModalProcessor`'s)."""
 
+    placeholders = {"image": "<start_of_image>"}
+
     def __init__(self, folder: Path, hf_config: Any, *args: Any, **kwargs: Any):
         super().__init__(folder, hf_config, *args, **kwargs)
         self.tokens_per_image = int(hf_config.mm_tokens_per_image)

@@ -42,6 +42,8 @@ class InternVLMultiModalProcessor(MultiModalProcessor):
     """Processes one request's images for ``InternVLForConditionalGeneration`` (arguments as
     :class:`MultiModalProcessor`'s)."""
 
+    placeholders = {"image": "<IMG_CONTEXT>"}
+
     def __init__(self, folder: Path, hf_config: Any, limits: dict[str, int], default_kwargs: dict[str, Any] | None,
                  *args: Any, **kwargs: Any):
         super().__init__(folder, hf_config, limits, default_kwargs, *args, **kwargs)
@@ -111,6 +113,9 @@ IMAGENET_MEAN, IMAGENET_STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
 class InternVLChatMultiModalProcessor(InternVLMultiModalProcessor):
     """Processes one request's images for ``InternVLChatModel``, tiled as its
     ``dynamic_preprocess`` tiles them (see the module docstring)."""
+
+    # InternVL2's chat code writes "<image>\n" before the question; its template knows no images.
+    placeholders = {"image": "<image>"}
 
     def _load_image_processor(self, folder: Path, hf_config: Any, backend: dict[str, str]) -> Any:
         from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil

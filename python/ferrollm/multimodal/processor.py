@@ -65,6 +65,9 @@ class MultiModalProcessor:
 
     # What `multi_modal_data` may hold for this model; a subclass that takes more widens it.
     modalities: tuple[str, ...] = SUPPORTED_MODALITIES
+    # The text a prompt holds per item, by modality: what `LLM.chat` writes for an image part
+    # when the chat template takes content as a string (`content_format.join_parts`).
+    placeholders: dict[str, str] = {"image": "<|vision_start|><|image_pad|><|vision_end|>"}
 
     def __init__(self, folder: Path, hf_config: Any, limits: dict[str, int], default_kwargs: dict[str, Any] | None,
                  cache: MultiModalInputCache):

@@ -44,6 +44,8 @@ class Qwen2VLMultiModalProcessor(MultiModalProcessor):
     :class:`MultiModalProcessor`'s)."""
 
     modalities = ("image", "video")
+    placeholders = {"image": "<|vision_start|><|image_pad|><|vision_end|>",
+                    "video": "<|vision_start|><|video_pad|><|vision_end|>"}
 
     def __init__(self, folder: Path, hf_config: Any, limits: dict[str, int], default_kwargs: dict[str, Any] | None,
                  cache: MultiModalInputCache):

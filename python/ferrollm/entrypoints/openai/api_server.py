@@ -80,7 +80,7 @@ def _add_error_handlers(app: FastAPI) -> None:
 
 
 def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | None = None,
-              chat_template: str | None = None) -> FastAPI:
+              chat_template: str | None = None, chat_template_content_format: str = "auto") -> FastAPI:
     """The server's app over a running engine.
 
     Args:
@@ -88,9 +88,10 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
         served_model_names: Names clients may put in `model`; the first is reported.
         api_key: When set, every `/v1` route needs `Authorization: Bearer <api_key>`.
         chat_template: Replaces the tokenizer's chat template.
+        chat_template_content_format: "auto", "string" or "openai", as `LLM.chat` takes it.
     """
     app = FastAPI(title="ferrollm")
-    serving = OpenAIServing(engine, served_model_names[0], chat_template)
+    serving = OpenAIServing(engine, served_model_names[0], chat_template, chat_template_content_format)
     created = int(time.time())
     _add_error_handlers(app)
     metrics = None
@@ -181,7 +182,8 @@ def run_server(args: argparse.Namespace) -> None:
     engine = AsyncLLM.from_engine_args(engine_args_from(args))
     try:
         names = args.served_model_name or [args.model]
-        app = build_app(engine, names, args.api_key, _read_template(args.chat_template))
+        app = build_app(engine, names, args.api_key, _read_template(args.chat_template),
+                        args.chat_template_content_format)
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
     finally:
         engine.shutdown()

@@ -44,6 +44,9 @@ def add_serve_parser(sub: Any) -> argparse.ArgumentParser:
                    help="names clients use in `model` (default: the model argument)")
     p.add_argument("--api-key", default=None, help="require `Authorization: Bearer <key>` on /v1 routes")
     p.add_argument("--chat-template", default=None, help="a Jinja chat template, or a file holding one")
+    p.add_argument("--chat-template-content-format", default="auto", choices=["auto", "string", "openai"],
+                   help="how the template takes message content: read from it (auto), one string with the "
+                        "model's placeholder per image (string), or the list of parts (openai)")
     p.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     annotations = {f.name: str(f.type) for f in dataclasses.fields(EngineArgs)}

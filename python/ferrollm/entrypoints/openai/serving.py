@@ -23,6 +23,7 @@ from ferrollm.entrypoints.openai.protocol import (
 )
 from ferrollm.exceptions import InvalidRequestError
 from ferrollm.multimodal.chat import extract_images, processor_chat_template
+from ferrollm.multimodal.content_format import join_parts, resolve_content_format
 from ferrollm.outputs import CompletionOutput, RequestOutput
 from ferrollm.pooling_params import PoolingParams
 from ferrollm.v1.engine.async_llm import AsyncLLM
@@ -35,12 +36,14 @@ class OpenAIServing:
         engine: The running `AsyncLLM`.
         model_name: The name responses carry (the first `--served-model-name`).
         chat_template: A template that replaces the tokenizer's, or None.
+        content_format: ``--chat-template-content-format`` ("auto", "string" or "openai").
     """
 
-    def __init__(self, engine: AsyncLLM, model_name: str, chat_template: str | None):
+    def __init__(self, engine: AsyncLLM, model_name: str, chat_template: str | None, content_format: str = "auto"):
         self.engine = engine
         self.model_name = model_name
         self.chat_template = chat_template
+        self.content_format = content_format
         self.tokenizer = engine.engine.tokenizers.hf
         self.max_model_len = engine.model_config.max_model_len
         # Multimodal checkpoints may keep their template beside the processor instead.
@@ -144,9 +147,12 @@ class OpenAIServing:
         or a local path) the text and its ``multi_modal_data``, as `LLM.chat` makes them."""
         conv = [{"role": m.role, "content": _content(m.content)} for m in messages]
         conv, images = extract_images(conv)
+        template = template or self.chat_template or self.processor_chat_template
         if not images:  # text parts join into one string, which any template takes
             conv = [{**m, "content": _text_content(m["content"], i)} for i, m in enumerate(conv)]
-        template = template or self.chat_template or self.processor_chat_template
+        elif resolve_content_format(self.content_format, template or self.tokenizer.chat_template) == "string":
+            mm_processor = self.engine.engine.mm_processor
+            conv = join_parts(conv, mm_processor.placeholders if mm_processor is not None else {})
         if template is None and getattr(self.tokenizer, "chat_template", None) is None:
             raise InvalidRequestError("`chat_template` must be given: the model's tokenizer has none "
                                       "(start the server with --chat-template)")
