@@ -55,6 +55,24 @@ pub(crate) fn has_avx512f() -> bool {
     }
 }
 
+/// Whether the CPU is AMD's: its L3 is a victim cache of L2, which decides how a kernel
+/// streaming a weight from memory asks for it ahead (see `gemm`'s one-row product).
+pub(crate) fn is_amd() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::sync::OnceLock;
+        static AMD: OnceLock<bool> = OnceLock::new();
+        *AMD.get_or_init(|| {
+            let id = std::arch::x86_64::__cpuid(0);
+            [id.ebx, id.edx, id.ecx].map(u32::to_le_bytes).concat() == b"AuthenticAMD"
+        })
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use std::arch::x86_64::*;
@@ -189,6 +207,31 @@ pub(crate) fn prefetch<T>(data: &[T]) {
 pub(crate) fn prefetch_l2<T>(data: &[T]) {
     #[cfg(target_arch = "x86_64")]
     prefetch_lines::<T, { std::arch::x86_64::_MM_HINT_T1 }>(data);
+}
+
+/// How far ahead of its read position a kernel streaming a weight from memory asks for lines.
+/// The hardware prefetchers stop at each 4 KiB page and kept too few lines in flight for one
+/// thread's contiguous run: batch-1 decode of Qwen2-0.5B Q4_0 went from 47.3 to 53.7 tok/s with
+/// this (2 threads, Xeon VM; 2 and 8 KiB measured the same within noise).
+pub(crate) const STREAM_AHEAD: usize = 4096;
+
+/// Asks for the cache lines of the `bytes` from `at`, an address that may lie past any buffer
+/// (a prefetch never faults): what a streaming kernel reads [`STREAM_AHEAD`] bytes from now.
+#[inline(always)]
+pub(crate) fn prefetch_stream(at: *const u8, bytes: usize) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let mut offset = 0;
+        while offset < bytes {
+            // SAFETY: prefetching is a hint; it never faults, whatever the address.
+            unsafe {
+                std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
+                    at.wrapping_add(offset).cast(),
+                )
+            };
+            offset += 64;
+        }
+    }
 }
 
 #[cfg(target_arch = "x86_64")]

@@ -8,7 +8,7 @@
 //! panel row, so the next first block finds it in cache.
 //!
 //! A slab of one row (a batch-1 decode step) takes [`one_row`] instead: it streams each panel
-//! once, start to end, asking for it ahead as non-temporal so the stream does not flush L3.
+//! once, start to end, asking for it ahead (on AMD as non-temporal, so the stream does not flush L3).
 //!
 //! [`run_gated`] runs a gate tile and the matching up tile into two scratch tiles, then writes
 //! `silu(gate) * up` from them: the gated MLP's product never leaves L2.
@@ -143,9 +143,14 @@ pub(super) unsafe fn run_gated(gate: &Job<'_>, up: &Job<'_>, cols: Range<usize>,
 #[inline(always)]
 unsafe fn pass(job: &Job<'_>, tile: Tile, span: usize, rows: Range<usize>, target: Target) {
     match (rows.len(), span.div_ceil(LANES)) {
-        (1, 3) => one_row::<3>(job, tile, rows.start, target),
-        (1, 2) => one_row::<2>(job, tile, rows.start, target),
-        (1, _) => one_row::<1>(job, tile, rows.start, target),
+        (1, v) if crate::simd::is_amd() => match v {
+            3 => one_row::<3, _MM_HINT_NTA, AMD_AHEAD>(job, tile, rows.start, target),
+            2 => one_row::<2, _MM_HINT_NTA, AMD_AHEAD>(job, tile, rows.start, target),
+            _ => one_row::<1, _MM_HINT_NTA, AMD_AHEAD>(job, tile, rows.start, target),
+        },
+        (1, 3) => one_row::<3, _MM_HINT_T0, OTHER_AHEAD>(job, tile, rows.start, target),
+        (1, 2) => one_row::<2, _MM_HINT_T0, OTHER_AHEAD>(job, tile, rows.start, target),
+        (1, _) => one_row::<1, _MM_HINT_T0, OTHER_AHEAD>(job, tile, rows.start, target),
         (_, 3) => tile_pass::<3>(job, tile, rows, target),
         (_, 2) => tile_pass::<2>(job, tile, rows, target),
         _ => tile_pass::<1>(job, tile, rows, target),
@@ -154,7 +159,7 @@ unsafe fn pass(job: &Job<'_>, tile: Tile, span: usize, rows: Range<usize>, targe
 
 /// Panel rows per step of [`one_row`], each into its own accumulators.
 const ONE_ROW_UNROLL: usize = 4;
-/// How far ahead, in panel rows, [`one_row`] asks for the weight as non-temporal.
+/// How far ahead, in panel rows, [`one_row`] asks for the weight on AMD CPUs: as non-temporal.
 ///
 /// A batch-1 step streams every weight once, ~2 GB for a Qwen2-0.5B-shaped model: with plain
 /// loads the lines evicted from L2 fill L3 (a victim cache on AMD), pushing out what the Python
@@ -165,7 +170,12 @@ const ONE_ROW_UNROLL: usize = 4;
 /// 128 and 256 rows ahead were 4-7% faster than no prefetch (e.g. 83.3 against 88.1 ms), 32 and
 /// 1024 2-3%, and the same prefetch as T0 5% slower. Batches (`tile_pass`) showed no change
 /// with the hint there, so they keep theirs.
-const STREAM_AHEAD: usize = 128;
+const AMD_AHEAD: usize = 128;
+/// How far ahead, in panel rows (~4 KiB), [`one_row`] asks for the weight on other CPUs: into L1
+/// like any load. On Intel the non-temporal hint fills L1 alone, and 24 KB ahead the lines were
+/// gone again before use: a Xeon (AVX-512, 2 threads, 24 cold Qwen2-0.5B-sized weights) streamed
+/// 8.0 GB/s with it against 22-24 GB/s with `T0` 21 rows ahead (22 at 128 rows, 22-23 as `T1`).
+const OTHER_AHEAD: usize = 21;
 
 /// One tile for the single row `row`: a matrix-vector product bound by reading the panel.
 ///
@@ -177,7 +187,12 @@ const STREAM_AHEAD: usize = 128;
 /// 26.5-36.8 GB/s, within 6% either way where the machine read ~30 GB/s and 11-12% ahead in
 /// the two runs where it read ~50.
 #[inline(always)]
-unsafe fn one_row<const V: usize>(job: &Job<'_>, tile: Tile, row: usize, target: Target) {
+unsafe fn one_row<const V: usize, const HINT: i32, const AHEAD: usize>(
+    job: &Job<'_>,
+    tile: Tile,
+    row: usize,
+    target: Target,
+) {
     let k_len = job.panels.in_features;
     let x = job.x.as_ptr().add(row * k_len);
     let mut acc = [[_mm512_setzero_ps(); V]; ONE_ROW_UNROLL];
@@ -185,9 +200,9 @@ unsafe fn one_row<const V: usize>(job: &Job<'_>, tile: Tile, row: usize, target:
         let (xk, w) = (_mm512_set1_ps(*x.add(k)), tile.weight.add(k * tile.stride));
         // Past the tile's end this reads into the next panel, the thread's next tile, or beyond
         // the weight: a prefetch is a hint and never faults.
-        let ahead = w.wrapping_add(STREAM_AHEAD * tile.stride).cast::<i8>();
+        let ahead = w.wrapping_add(AHEAD * tile.stride).cast::<i8>();
         for v in 0..V {
-            _mm_prefetch::<_MM_HINT_NTA>(ahead.wrapping_add(v * LINE));
+            _mm_prefetch::<HINT>(ahead.wrapping_add(v * LINE));
         }
         for (v, lane) in acc.iter_mut().enumerate() {
             *lane = _mm512_fmadd_ps(xk, _mm512_loadu_ps(w.add(v * LANES)), *lane);

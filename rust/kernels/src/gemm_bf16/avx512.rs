@@ -14,6 +14,7 @@ use std::ops::Range;
 
 use super::{Job, Tile};
 use crate::gemm::PANEL_WIDTH;
+use crate::simd::{prefetch_stream, STREAM_AHEAD};
 use crate::Element;
 
 const LANES: usize = 16;
@@ -149,7 +150,12 @@ unsafe fn block<M: PanelRow, const R: usize, const V: usize, T: Element>(
 ) {
     let mut acc = [[_mm512_setzero_ps(); V]; R];
     for p in 0..job.panels.pairs {
-        M::fma::<R, V, T>(job, r0, tile.words.add(p * tile.stride), p, &mut acc);
+        let w = tile.words.add(p * tile.stride);
+        if R <= 2 {
+            // One or two rows (decode) stream the panel from memory once; more reuse it from L2.
+            prefetch_stream(w.cast::<u8>().wrapping_add(STREAM_AHEAD), V * 64);
+        }
+        M::fma::<R, V, T>(job, r0, w, p, &mut acc);
     }
     let mut sums = [0.0f32; PANEL_WIDTH];
     for (r, acc) in acc.iter().enumerate() {

@@ -7,6 +7,7 @@ use std::arch::x86_64::*;
 
 use super::{block_sum, Format, GROUP};
 use crate::quant::act::{Row, BLOCK};
+use crate::simd::{prefetch_stream, STREAM_AHEAD};
 
 /// A re-laid format's integer sums of one group block.
 pub(crate) trait Sums {
@@ -90,23 +91,6 @@ unsafe fn add<const M: usize>(a: [__m512i; M], b: [__m512i; M]) -> [__m512i; M] 
     out
 }
 
-/// How far ahead of the group block being multiplied the kernel asks for the weight's lines. A
-/// thread streams its groups as one contiguous run; the hardware prefetchers alone stop at each
-/// 4 KiB page and kept too few lines in flight: batch-1 decode of Qwen2-0.5B went from 33.7 to
-/// 37.5 tok/s (Q8_0), 47.3 to 53.7 (Q4_0) and SmolLM2's Q4_1 from 122 to 148 (2 threads, Xeon VM,
-/// alternating runs; 2 and 8 KiB ahead gave the same within noise).
-const PREFETCH_AHEAD: usize = 4096;
-
-/// Asks the cache for the `bytes` at `at` (any address: a prefetch never faults).
-#[inline(always)]
-unsafe fn prefetch(at: *const u8, bytes: usize) {
-    let mut offset = 0;
-    while offset < bytes {
-        _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(offset).cast());
-        offset += 64;
-    }
-}
-
 /// The 16 f16 at `at` as f32 lanes.
 #[inline(always)]
 unsafe fn halves(at: *const u8) -> __m512 {
@@ -127,7 +111,7 @@ pub(crate) unsafe fn group_dot<S: Sums, const M: usize>(
     let mut acc = [_mm512_setzero_ps(); M];
     for b in 0..blocks {
         let gb = group.add(b * format.group_block_bytes());
-        prefetch(gb.wrapping_add(PREFETCH_AHEAD), format.group_block_bytes());
+        prefetch_stream(gb.wrapping_add(STREAM_AHEAD), format.group_block_bytes());
         let d = halves(gb);
         let sums = S::sums(gb.add(format.scale_bytes()), b, xs);
         for r in 0..M {
