@@ -26,6 +26,7 @@ use super::dot::{rows_dot, Isa, RowsDot};
 use super::interleaved::{self, group_dot, GroupDot, GROUP};
 use super::GgmlType;
 use crate::error::check_len;
+use crate::simd::{prefetch_stream, STREAM_AHEAD};
 use crate::{openmp, KernelError};
 
 /// Most rows of `x` one pass over a weight block serves: four accumulators per sub-block keep
@@ -400,8 +401,14 @@ impl Job<'_> {
         first: usize,
         out: &openmp::SharedMut<f32>,
     ) {
+        let row_bytes = self.weight.row_bytes();
         for n in features {
-            self.store(n, dot(self.weight.row(n), &xs), first, out);
+            let row = self.weight.row(n);
+            if M <= 2 {
+                // One or two rows (decode) stream the weight once; more reuse the chunk from L2.
+                prefetch_stream(row.as_ptr().wrapping_add(STREAM_AHEAD), row_bytes);
+            }
+            self.store(n, dot(row, &xs), first, out);
         }
     }
 
