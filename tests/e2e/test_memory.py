@@ -81,8 +81,11 @@ def test_running_a_model_holds_its_weights_once(mid_llama, tmp_path, tokenizer_d
     shallow_run, deep_run = _measure(mid_llama, max_model_len=256), _measure(deep, max_model_len=256)
     extra_weights = deep_run["weights"] - shallow_run["weights"]
     assert deep_run["peak"] - shallow_run["peak"] <= 1.5 * extra_weights, (shallow_run, deep_run)
-    # And in all, the weights plus that fixed part (~150 MiB here, most of it not ferrollm's).
-    assert deep_run["peak"] - deep_run["base"] <= deep_run["weights"] + 200 * MIB, deep_run
+    # And in all, the weights plus that fixed part (~150 MiB here, most of it not ferrollm's, and
+    # ~110 MiB more where torchvision is installed, as `make test` installs it: transformers 5's
+    # LlamaConfig module imports its image utilities, which import torchvision, torch._dynamo and
+    # triton; measured 335 against 221 MiB of growth with and without torchvision).
+    assert deep_run["peak"] - deep_run["base"] <= deep_run["weights"] + 300 * MIB, deep_run
 
 
 def test_a_smaller_max_num_seqs_lowers_the_peak(mid_llama):
