@@ -48,7 +48,10 @@ class GGUFConfig(QuantizationConfig):
         kept = sorted({type_name(t) for n, t in types.items() if self.keeps(n)})
         other = sorted({type_name(t) for n, t in types.items()
                         if not self.keeps(n) and (_is_projection(n) or n in _VOCAB_TABLES)})
-        logger.info("GGUF projections kept quantized: %s; dequantized at load: %s", kept or "none", other or "none")
+        # Float types (F32, F16, BF16) are converted to the run dtype, which is not a dequantization.
+        other = [t if t not in ("F32", "F16", "BF16") else f"{t} (float)" for t in other]
+        logger.info("GGUF projections kept quantized: %s; dequantized or converted to the run dtype at load: %s",
+                    kept or "none", other or "none")
 
     def describe(self) -> str:
         return "gguf (llama.cpp blocks read in place)"
