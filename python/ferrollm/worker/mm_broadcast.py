@@ -50,8 +50,10 @@ def broadcast_multimodal_step(positions: torch.Tensor, embeds: Embeds, spans: Sp
     if pos_dims == 2:
         positions = _shared(positions if driver else torch.empty((3, n_tokens), dtype=torch.int64), device)
     if n_rows:
-        rows, values = embeds if driver else (torch.empty(n_rows, dtype=torch.int64),
-                                              torch.empty((n_rows, width), dtype=_DTYPES[dtype]))
+        if driver and embeds is not None:
+            rows, values = embeds
+        else:
+            rows, values = torch.empty(n_rows, dtype=torch.int64), torch.empty((n_rows, width), dtype=_DTYPES[dtype])
         embeds = (_shared(rows, device), _shared(values, device))
     if n_spans:
         table = torch.tensor(spans if driver else [[0, 0, 0]] * n_spans, dtype=torch.int64)
