@@ -59,9 +59,7 @@ class FuyuForCausalLM(LanguageModelDelegate, nn.Module):
         text_only = getattr(config, TEXT_ONLY_ATTR, False)
         self.vision_embed_tokens: nn.Linear | None = (
             None if text_only else nn.Linear(patch_dim, text.hidden_size, dtype=dtype))
-        lm = self.language_model
-        self.num_layers, self.num_kv_heads, self.head_dim = lm.num_layers, lm.num_kv_heads, lm.head_dim
-        self.lm_head = lm.lm_head
+        self.adopt_decoder_shape()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 attn_metadata: AttentionMetadata,

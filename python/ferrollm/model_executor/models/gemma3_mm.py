@@ -78,10 +78,7 @@ class Gemma3ForConditionalGeneration(LanguageModelDelegate, nn.Module):
         text_only = getattr(config, TEXT_ONLY_ATTR, False)
         self.vision_tower = None if text_only else SiglipVisionModel(config.vision_config, dtype)
         self.multi_modal_projector = None if text_only else Gemma3MultiModalProjector(config, dtype)
-        lm = self.language_model
-        self.num_layers, self.num_kv_heads, self.head_dim = lm.num_layers, lm.num_kv_heads, lm.head_dim
-        self.sliding_windows = lm.sliding_windows
-        self.lm_head = lm.lm_head
+        self.adopt_decoder_shape()
 
     # -- the engine's model interface (see CausalLMInterface) ----------------------------------
 

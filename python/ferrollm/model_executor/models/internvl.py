@@ -100,9 +100,7 @@ class InternVLForConditionalGeneration(LanguageModelDelegate, nn.Module):
         self.vision_tower = None if text_only else InternVisionModel(config.vision_config, int(layer), dtype)
         self.multi_modal_projector = (None if text_only else
                                       InternVLMultiModalProjector(config, self.fold).to(dtype))
-        lm = self.language_model
-        self.num_layers, self.num_kv_heads, self.head_dim = lm.num_layers, lm.num_kv_heads, lm.head_dim
-        self.lm_head = lm.lm_head
+        self.adopt_decoder_shape()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 attn_metadata: AttentionMetadata,

@@ -97,10 +97,7 @@ class Qwen2VLForConditionalGeneration(LanguageModelDelegate, nn.Module):
         self.spatial_merge_size = int(config.vision_config.spatial_merge_size)
         self.visual = None if getattr(config, TEXT_ONLY_ATTR, False) else self.vision_cls(
             config.vision_config, self._vision_out_dim(config), dtype)
-        lm = self.language_model
-        self.num_layers, self.num_kv_heads, self.head_dim = lm.num_layers, lm.num_kv_heads, lm.head_dim
-        self.sliding_windows = lm.sliding_windows
-        self.lm_head = lm.lm_head
+        self.adopt_decoder_shape()
 
     @staticmethod
     def _vision_out_dim(config: PretrainedConfig) -> int:

@@ -28,6 +28,14 @@ class LanguageModelDelegate:
 
     language_model: nn.Module
 
+    def adopt_decoder_shape(self) -> None:
+        """Mirrors the decoder's layer count, KV heads, head size and LM head on the wrapper,
+        where code written for text models reads them. (Windows are not copied: the engine asks
+        `sliding_window_spec`, which the decoder answers.)"""
+        lm = self.language_model
+        self.num_layers, self.num_kv_heads, self.head_dim = lm.num_layers, lm.num_kv_heads, lm.head_dim
+        self.lm_head = lm.lm_head
+
     def kv_cache_spec(self) -> tuple[int, int, int]:
         return self.language_model.kv_cache_spec()
 
