@@ -99,3 +99,17 @@ def hf_greedy_vl(model, token_ids: list[int], images: list, max_tokens: int, **p
                              min_new_tokens=max_tokens, do_sample=False, output_logits=True,
                              return_dict_in_generate=True, **kwargs)
     return out.sequences[0, len(ids):].tolist(), torch.stack(out.logits, dim=1)[0]
+
+
+def assert_matches_greedy(out, want: list[int], logits: torch.Tensor, label: str,
+                          prompt_ids: list[int] | None = None) -> None:
+    """`out` (a `RequestOutput` with ``logprobs=0``) against transformers' greedy tokens ``want``
+    and its logits per step: the same tokens (and prompt ids, if given), each token's
+    log-probability within 1e-4."""
+    if prompt_ids is not None:
+        assert list(out.prompt_token_ids) == prompt_ids, label
+    got = out.outputs[0]
+    assert list(got.token_ids) == want, label
+    ref = torch.log_softmax(logits.float(), -1)
+    for step, (token, lp) in enumerate(zip(want, got.logprobs)):
+        assert abs(lp[token].logprob - ref[step, token].item()) < 1e-4, (label, step)

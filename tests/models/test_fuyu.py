@@ -16,7 +16,7 @@ import torch
 import transformers
 from ferrollm import LLM, SamplingParams
 from helpers.fuyu_checkpoints import build_fuyu_checkpoint, hf_greedy_fuyu
-from helpers.vl_checkpoints import random_image
+from helpers.vl_checkpoints import assert_matches_greedy, random_image
 
 torch.set_num_threads(2)
 
@@ -41,12 +41,7 @@ def _check_against_transformers(llm: LLM, fuyu, prompts: list[tuple[str, object]
     for (prompt, image), out in zip(prompts, outs):
         ids, want, logits = hf_greedy_fuyu(hf_model, tokenizer, image_processor, prompt, image, MAX_TOKENS,
                                            **image_kwargs)
-        assert list(out.prompt_token_ids) == ids, prompt
-        got = out.outputs[0]
-        assert list(got.token_ids) == want, prompt
-        ref = torch.log_softmax(logits.float(), -1)
-        for step, (token, lp) in enumerate(zip(want, got.logprobs)):
-            assert abs(lp[token].logprob - ref[step, token].item()) < 1e-4, (prompt, step)
+        assert_matches_greedy(out, want, logits, prompt, prompt_ids=ids)
     return outs
 
 

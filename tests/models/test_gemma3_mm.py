@@ -12,7 +12,7 @@ import pytest
 import torch
 from ferrollm import LLM, SamplingParams
 from helpers.gemma3_checkpoints import build_gemma3_checkpoint, hf_greedy_gemma3
-from helpers.vl_checkpoints import random_image
+from helpers.vl_checkpoints import assert_matches_greedy, random_image
 
 torch.set_num_threads(2)
 
@@ -34,12 +34,7 @@ def _check_against_transformers(llm: LLM, hf_model, processor, prompts: list[tup
     outs = llm.generate(requests, GREEDY, use_tqdm=False)
     for (prompt, images), out in zip(prompts, outs):
         ids, want, logits = hf_greedy_gemma3(hf_model, processor, prompt, images, MAX_TOKENS, **processor_kwargs)
-        assert list(out.prompt_token_ids) == ids, prompt
-        got = out.outputs[0]
-        assert list(got.token_ids) == want, prompt
-        ref = torch.log_softmax(logits.float(), -1)
-        for step, (token, lp) in enumerate(zip(want, got.logprobs)):
-            assert abs(lp[token].logprob - ref[step, token].item()) < 1e-4, (prompt, step)
+        assert_matches_greedy(out, want, logits, prompt, prompt_ids=ids)
 
 
 def test_images_match_transformers_batched_with_text(gemma3):

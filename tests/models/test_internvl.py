@@ -12,7 +12,7 @@ import pytest
 import torch
 from ferrollm import LLM, SamplingParams
 from helpers.internvl_checkpoints import TOKENS_PER_TILE, build_internvl_checkpoint, hf_greedy_internvl
-from helpers.vl_checkpoints import random_image
+from helpers.vl_checkpoints import assert_matches_greedy, random_image
 
 torch.set_num_threads(2)
 
@@ -36,12 +36,7 @@ def _check_against_transformers(llm: LLM, hf_model, processor, prompts: list[tup
     outs = llm.generate(requests, GREEDY, use_tqdm=False)
     for (prompt, images), out in zip(prompts, outs):
         ids, want, logits = hf_greedy_internvl(hf_model, processor, prompt, images, MAX_TOKENS, **processor_kwargs)
-        assert list(out.prompt_token_ids) == ids, prompt
-        got = out.outputs[0]
-        assert list(got.token_ids) == want, prompt
-        ref = torch.log_softmax(logits.float(), -1)
-        for step, (token, lp) in enumerate(zip(want, got.logprobs)):
-            assert abs(lp[token].logprob - ref[step, token].item()) < 1e-4, (prompt, step)
+        assert_matches_greedy(out, want, logits, prompt, prompt_ids=ids)
     return outs
 
 

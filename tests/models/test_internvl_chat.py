@@ -16,7 +16,7 @@ import pytest
 import torch
 from helpers.internvl_chat_checkpoints import MAX_DYNAMIC_PATCH, build_internvl_chat_checkpoint, dynamic_preprocess
 from helpers.internvl_checkpoints import CONTEXT, TILE, TOKENS_PER_TILE, hf_greedy_internvl
-from helpers.vl_checkpoints import random_image
+from helpers.vl_checkpoints import assert_matches_greedy, random_image
 
 from ferrollm import LLM, SamplingParams
 from ferrollm.config.remote_configs import load_hf_config
@@ -46,12 +46,7 @@ def _check_against_transformers(llm: LLM, hf_model, processor, prompts: list[tup
         # transformers' InternVLProcessor takes <IMG_CONTEXT> where InternVL2's chat takes <image>.
         ids, want, logits = hf_greedy_internvl(hf_model, processor, prompt.replace("<image>", CONTEXT), images,
                                                MAX_TOKENS, **processor_kwargs)
-        assert list(out.prompt_token_ids) == ids, prompt
-        got = out.outputs[0]
-        assert list(got.token_ids) == want, prompt
-        ref = torch.log_softmax(logits.float(), -1)
-        for step, (token, lp) in enumerate(zip(want, got.logprobs)):
-            assert abs(lp[token].logprob - ref[step, token].item()) < 1e-4, (prompt, step)
+        assert_matches_greedy(out, want, logits, prompt, prompt_ids=ids)
     return outs
 
 

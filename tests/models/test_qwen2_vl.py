@@ -10,6 +10,7 @@ import pytest
 import torch
 from ferrollm import LLM, SamplingParams
 from helpers.vl_checkpoints import (
+    assert_matches_greedy,
     build_vl_checkpoint,
     hf_greedy_vl,
     image_processor,
@@ -46,11 +47,7 @@ def _check_against_transformers(llm: LLM, hf_model, prompts: list[tuple[str, lis
     outs = llm.generate(requests, GREEDY, use_tqdm=False)
     for (prompt, images), out in zip(prompts, outs):
         want, logits = hf_greedy_vl(hf_model, tok.encode(prompt), images, MAX_TOKENS)
-        got = out.outputs[0]
-        assert list(got.token_ids) == want, prompt
-        ref = torch.log_softmax(logits.float(), -1)
-        for step, (token, lp) in enumerate(zip(want, got.logprobs)):
-            assert abs(lp[token].logprob - ref[step, token].item()) < 1e-4
+        assert_matches_greedy(out, want, logits, prompt)
 
 
 def test_images_match_transformers_batched_with_text(vl):
