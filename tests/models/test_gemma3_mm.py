@@ -11,6 +11,7 @@ import logging
 import pytest
 import torch
 from ferrollm import LLM, SamplingParams
+from helpers.checkpoints import rewritten_checkpoint
 from helpers.gemma3_checkpoints import build_gemma3_checkpoint, hf_greedy_gemma3
 from helpers.vl_checkpoints import assert_matches_greedy, random_image
 
@@ -91,16 +92,8 @@ def _transformers5_name(name: str) -> str:
 
 @pytest.mark.parametrize("rename", [_hub_name, _transformers5_name], ids=["hub", "transformers5"])
 def test_checkpoint_name_layouts_load(gemma3, tmp_path, rename):
-    import shutil
-
-    from safetensors.torch import load_file, save_file
-
     folder, hf_model, processor = gemma3
-    for f in folder.iterdir():
-        if f.name != "model.safetensors":
-            shutil.copy(f, tmp_path / f.name)
-    tensors = load_file(folder / "model.safetensors")
-    save_file({rename(k): v for k, v in tensors.items()}, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    rewritten_checkpoint(folder, tmp_path, lambda tensors: {rename(k): v for k, v in tensors.items()})
     with LLM(str(tmp_path), max_model_len=256) as llm:
         _check_against_transformers(llm, hf_model, processor, [(f"see{IMAGE} it", [random_image(6, 40, 40)])])
 

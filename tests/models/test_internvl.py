@@ -11,6 +11,7 @@ import json
 import pytest
 import torch
 from ferrollm import LLM, SamplingParams
+from helpers.checkpoints import rewritten_checkpoint
 from helpers.internvl_checkpoints import TOKENS_PER_TILE, build_internvl_checkpoint, hf_greedy_internvl
 from helpers.vl_checkpoints import assert_matches_greedy, random_image
 
@@ -89,17 +90,8 @@ def _transformers5_name(name: str) -> str:
 
 
 def test_transformers5_names_and_an_expanded_prompt_load(internvl, tmp_path):
-    import shutil
-
-    from safetensors.torch import load_file, save_file
-
     folder, hf_model, processor = internvl
-    for f in folder.iterdir():
-        if f.name != "model.safetensors":
-            shutil.copy(f, tmp_path / f.name)
-    tensors = load_file(folder / "model.safetensors")
-    save_file({_transformers5_name(k): v for k, v in tensors.items()}, tmp_path / "model.safetensors",
-              metadata={"format": "pt"})
+    rewritten_checkpoint(folder, tmp_path, lambda tensors: {_transformers5_name(k): v for k, v in tensors.items()})
     image = random_image(6, 50, 40)
     with LLM(str(tmp_path), max_model_len=256) as llm:
         (out,) = _check_against_transformers(llm, hf_model, processor, [(f"see{IMAGE} it", [image])])
@@ -113,17 +105,10 @@ def test_transformers5_names_and_an_expanded_prompt_load(internvl, tmp_path):
 
 
 def test_a_checkpoint_without_lm_head_ties_it_as_transformers_does(internvl, tmp_path):
-    import shutil
-
-    from safetensors.torch import load_file, save_file
-
     folder, _, _ = internvl
-    for f in folder.iterdir():
-        if f.name != "model.safetensors":
-            shutil.copy(f, tmp_path / f.name)
-    tensors = load_file(folder / "model.safetensors")
-    stored_head = tensors.pop("language_model.lm_head.weight")
-    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    tensors = rewritten_checkpoint(folder, tmp_path, lambda tensors: {
+        k: v for k, v in tensors.items() if k != "language_model.lm_head.weight"})
+    stored_head = tensors["language_model.lm_head.weight"]
     config = json.loads((tmp_path / "config.json").read_text())
     config.pop("tie_word_embeddings", None)  # transformers' default: True at the top level
     (tmp_path / "config.json").write_text(json.dumps(config))
