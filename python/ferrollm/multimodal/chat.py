@@ -17,7 +17,7 @@ from typing import Any
 
 from ferrollm.exceptions import InvalidRequestError
 
-__all__ = ["extract_images", "load_image_url", "processor_chat_template"]
+__all__ = ["extract_images", "load_image_url", "map_list_contents", "processor_chat_template"]
 
 
 def processor_chat_template(folder: Path | None) -> str | None:
@@ -57,32 +57,33 @@ def load_image_url(url: str) -> Any:
         raise InvalidRequestError(f"`image_url` could not be read as an image ({e}). Given: {url[:80]!r}") from e
 
 
+def map_list_contents(conversation: list[dict[str, Any]], fn) -> list[dict[str, Any]]:
+    """The conversation with each list content (OpenAI-style parts) replaced by ``fn(parts)``;
+    string contents as they are."""
+    return [{**m, "content": fn(m["content"])} if isinstance(m.get("content"), list) else m for m in conversation]
+
+
 def extract_images(conversation: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[Any]]:
     """The conversation with image parts replaced by ``{"type": "image"}``, and the images in
     order."""
     images: list[Any] = []
-    out = []
-    for message in conversation:
-        content = message.get("content")
-        if not isinstance(content, list):
-            out.append(message)
-            continue
-        parts = []
-        for part in content:
-            kind = part.get("type") if isinstance(part, dict) else None
-            if kind == "image_url":
-                ref = part["image_url"]
-                images.append(load_image_url(ref["url"] if isinstance(ref, dict) else ref))
-                parts.append({"type": "image"})
-            elif kind == "image_pil":
-                images.append(part["image_pil"])
-                parts.append({"type": "image"})
-            elif kind == "video_url":
-                raise InvalidRequestError(
-                    "`video_url` content parts are not supported: ferrollm has no video decoder. Decode the frames "
-                    "and pass them to `LLM.generate` as multi_modal_data={'video': frames} (a list of PIL images "
-                    "or a uint8 array [T, H, W, 3]) with the model's video placeholder in the prompt")
-            else:
-                parts.append(part)
-        out.append({**message, "content": parts})
+    out = map_list_contents(conversation, lambda parts: [_image_part(part, images) for part in parts])
     return out, images
+
+
+def _image_part(part: Any, images: list[Any]) -> Any:
+    """``part`` as the template sees it; an image part's image appended to ``images``."""
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind == "image_url":
+        ref = part["image_url"]
+        images.append(load_image_url(ref["url"] if isinstance(ref, dict) else ref))
+        return {"type": "image"}
+    if kind == "image_pil":
+        images.append(part["image_pil"])
+        return {"type": "image"}
+    if kind == "video_url":
+        raise InvalidRequestError(
+            "`video_url` content parts are not supported: ferrollm has no video decoder. Decode the frames "
+            "and pass them to `LLM.generate` as multi_modal_data={'video': frames} (a list of PIL images "
+            "or a uint8 array [T, H, W, 3]) with the model's video placeholder in the prompt")
+    return part

@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from ferrollm.exceptions import InvalidRequestError
+from ferrollm.multimodal.chat import map_list_contents
 
 __all__ = ["CONTENT_FORMATS", "detect_content_format", "join_parts", "resolve_content_format"]
 
@@ -72,22 +73,19 @@ def join_parts(conversation: list[dict[str, Any]], placeholders: dict[str, str])
     Raises:
         InvalidRequestError: a part of a modality the model has no placeholder for.
     """
-    out = []
-    for message in conversation:
-        content = message.get("content")
-        if not isinstance(content, list):
-            out.append(message)
-            continue
-        marks, texts = [], []
-        for part in content:
-            kind = part.get("type") if isinstance(part, dict) else None
-            if kind == "text":
-                texts.append(part.get("text", ""))
-            elif kind in placeholders:
-                marks.append(placeholders[kind])
-            else:
-                raise InvalidRequestError(f"message content parts must be text or one of {sorted(placeholders)} "
-                                          f"for this model. Given: {kind!r}")
-        # Fuyu's placeholder is empty: its processor lays the image out itself.
-        out.append({**message, "content": "\n".join([m for m in marks if m] + ["\n".join(texts)])})
-    return out
+    return map_list_contents(conversation, lambda parts: _joined(parts, placeholders))
+
+
+def _joined(parts: list[Any], placeholders: dict[str, str]) -> str:
+    marks, texts = [], []
+    for part in parts:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text":
+            texts.append(part.get("text", ""))
+        elif kind in placeholders:
+            marks.append(placeholders[kind])
+        else:
+            raise InvalidRequestError(f"message content parts must be text or one of {sorted(placeholders)} "
+                                      f"for this model. Given: {kind!r}")
+    # Fuyu's placeholder is empty: its processor lays the image out itself.
+    return "\n".join([m for m in marks if m] + ["\n".join(texts)])
