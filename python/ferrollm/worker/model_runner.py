@@ -176,12 +176,14 @@ class ModelRunner:
         """The step's positions, placeholder embeddings and (for models attending both ways
         inside an image) image spans. The driver holds the images and encodes them; with
         tensor parallelism it sends the result to the other ranks (`mm_broadcast`)."""
-        positions, embeds, spans = torch.from_numpy(step.positions).to(self.device), None, None
+        embeds, spans = None, None
         if get_tensor_model_parallel_rank() == 0:
             mm = [s.mm for s in states]
             positions, embeds = prepare_multimodal_step(self.model, step, mm, self.device)
             if embeds is not None and getattr(self.model, "bidirectional_mm_attention", False):
                 spans = image_spans(step, mm)
+        else:  # the core's positions, replaced by the driver's M-RoPE ones when it sends them
+            positions = torch.from_numpy(step.positions).to(self.device)
         if get_tensor_model_parallel_world_size() > 1:
             positions, embeds, spans = broadcast_multimodal_step(positions, embeds, spans, self.device)
         return positions, embeds, spans
