@@ -4,6 +4,7 @@ dequantization: the forms pack, place and call them consistently."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -20,8 +21,20 @@ OUT, IN = 48, 128
 def _weights() -> dict[str, qw.QuantizedWeight]:
     torch.manual_seed(0)
     w = torch.randn(OUT, IN) * 0.1
+    per_row = quantize_rtn(w, 8, IN)
     return {"int4": quantize_rtn(w, 4, 32), "int8": quantize_rtn(w, 8, 64),
-            "w8a8": quantize_int8_rows(w), "fp8": quantize_fp8(w)}
+            "w8a8": quantize_int8_rows(w), "fp8": quantize_fp8(w),
+            # One group per row, its scales a transposed [1, out] view (as GPTQ's group_size -1
+            # loads them); and a static activation scale, which the Triton forms hold on the device.
+            "int8-row": dataclasses.replace(per_row, scales=_column_view(per_row.scales),
+                                            mins=None if per_row.mins is None else _column_view(per_row.mins)),
+            "fp8-static": dataclasses.replace(quantize_fp8(w), input_quant="static", input_scale=0.05),
+            "fp8-token": dataclasses.replace(quantize_fp8(w), input_quant="token")}
+
+
+def _column_view(t: torch.Tensor) -> torch.Tensor:
+    """``[out, 1]`` as the transpose of a ``[1, out]`` tensor: strides ``(1, out)``."""
+    return torch.empty(1, t.shape[0]).copy_(t.reshape(1, -1)).t()
 
 
 def _backends():
@@ -32,7 +45,7 @@ def _backends():
 
 
 @pytest.mark.parametrize("backend", _backends())
-@pytest.mark.parametrize("kind", ["int4", "int8", "w8a8", "fp8"])
+@pytest.mark.parametrize("kind", ["int4", "int8", "int8-row", "w8a8", "fp8", "fp8-static", "fp8-token"])
 @pytest.mark.parametrize("rows", [1, 5])
 def test_forms_multiply_like_their_dequantized_weight(kind, backend, rows):
     weight = _weights()[kind]
@@ -43,7 +56,7 @@ def test_forms_multiply_like_their_dequantized_weight(kind, backend, rows):
     # Weight-only kinds are exact to float32 rounding; the others round x to 8 bits first
     # (int8: 1/254 of a row's largest value per element; e4m3: 1/16 relative), bounded here by
     # the sum of |w| times that rounding.
-    slack = {"int4": 1e-4, "int8": 1e-4}.get(kind)
+    slack = {"int4": 1e-4, "int8": 1e-4, "int8-row": 1e-4}.get(kind)
     if slack is None:
         step = x.abs().amax() / 254 if kind == "w8a8" else x.abs().amax() / 16
         slack = float(step * weight.dequantize().abs().sum(1).max()) + 1e-4

@@ -89,11 +89,14 @@ def _check_groups(in_features: int, group_size: int) -> None:
 
 def _check_scales(scales: torch.Tensor, mins: torch.Tensor | None, shape: tuple[int, int]) -> None:
     for name, t in (("scales", scales), ("mins", mins)):
-        if t is not None and (t.dtype != torch.float32 or tuple(t.shape) != shape or t.stride(-1) != 1):
+        # is_contiguous ignores the strides of size-1 dimensions: one group per row (a GPTQ
+        # group_size of -1) may come as a transposed [1, out] view, which the kernel reads
+        # through stride(0) alone.
+        if t is not None and (t.dtype != torch.float32 or tuple(t.shape) != shape or not t.is_contiguous()):
             raise ValueError(f"`{name}` must be contiguous float32 of shape {shape}. "
-                             f"Given: {t.dtype} {tuple(t.shape)}")
-    if mins is not None and mins.stride() != scales.stride():
-        raise ValueError(f"`mins` must have the strides of `scales` ({scales.stride()}). Given: {mins.stride()}")
+                             f"Given: {t.dtype} {tuple(t.shape)}, strides {t.stride()}")
+    if mins is not None and mins.stride(0) != scales.stride(0):
+        raise ValueError(f"`mins` must have the row stride of `scales` ({scales.stride(0)}). Given: {mins.stride(0)}")
 
 
 def wq_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,

@@ -66,11 +66,20 @@ class QuantizedLinear:
         elif isinstance(w, qw.Int8ActWeight):
             self.packed = _kernels(on_cpu).w8a8_pack(w.q.contiguous()) if on_cpu else dev(w.q.contiguous())
             self.source = qw.Int8ActWeight(torch.empty(0, dtype=torch.int8), dev(w.scale.contiguous()),
-                                           w.input_scale, w.input_zero_point)
+                                           self._input_scale(w.input_scale), w.input_zero_point)
         elif isinstance(w, qw.Fp8Weight):
             self.packed = dev(w.q.contiguous())
             self.source = qw.Fp8Weight(torch.empty(0, dtype=torch.uint8), dev(w.scale.contiguous()), w.block,
-                                       w.input_quant, w.input_scale)
+                                       w.input_quant, self._input_scale(w.input_scale))
+            self.unit_scale = self._input_scale(1.0)  # per-token inputs: rows already e4m3
+
+    def _input_scale(self, scale: float | None):
+        """A static activation scale as each kernel family takes it: a float for the Rust
+        kernels, a one-element float32 tensor on the device for the Triton ones (made once here:
+        a copy from the host inside a captured CUDA graph would be an error)."""
+        if scale is None or self.on_cpu:
+            return scale
+        return torch.tensor([scale], dtype=torch.float32, device=self.device)
 
     # -- the product -------------------------------------------------------------------------
 
@@ -97,7 +106,7 @@ class QuantizedLinear:
             return k.w8a8_linear(x, self.packed, w.scale, bias, w.input_scale, w.input_zero_point)
         assert isinstance(w, qw.Fp8Weight)
         if w.input_quant == "token":
-            return _fp8_per_token(k, x, self.packed, w, bias)
+            return _fp8_per_token(k, x, self.packed, w, bias, self.unit_scale)
         return k.fp8_linear(x, self.packed, w.scale, bias, w.block, w.input_quant, w.input_scale)
 
     # -- what the rest of the engine asks ----------------------------------------------------
@@ -157,13 +166,14 @@ def _deinterleaved(w: qw.GGUFWeight, blocks) -> qw.GGUFWeight:
     return dataclasses.replace(w, data=deinterleave(blocks, w.in_features))
 
 
-def _fp8_per_token(k, x: torch.Tensor, weight: torch.Tensor, w: qw.Fp8Weight, bias: torch.Tensor | None) -> torch.Tensor:
+def _fp8_per_token(k, x: torch.Tensor, weight: torch.Tensor, w: qw.Fp8Weight, bias: torch.Tensor | None,
+                   unit_scale) -> torch.Tensor:
     """Per-token dynamic fp8 inputs (compressed-tensors' FP8_DYNAMIC): each row is rounded to e4m3
     with its own scale (``max |x_r| / 448``) here, the kernel multiplies the already-e4m3 rows
     with a unit static scale (an exact no-op rounding), and the row scales apply to the product."""
     scale = (x.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
     rows = (x / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).to(x.dtype)
-    y = k.fp8_linear(rows, weight, w.scale, None, w.block, "static", 1.0) * scale
+    y = k.fp8_linear(rows, weight, w.scale, None, w.block, "static", unit_scale) * scale
     return y if bias is None else y + bias
 
 
