@@ -6,10 +6,13 @@
 #   bash benches/gpu_run.sh tests      # the gpu-marked tests: kernels, then the engine on cuda
 #   bash benches/gpu_run.sh bench      # side_by_side: startup, mixed, fixed, latency vs HF, bf16
 #   bash benches/gpu_run.sh nanovllm   # nano-vllm's shape: 256 seqs, in/out 100-1023
+#   bash benches/gpu_run.sh models     # quantized and multimodal models on cuda
+#   bash benches/gpu_run.sh kernels-quant  # the quantized Triton kernels against their references
+#   bash benches/gpu_run.sh quant      # gpu_quant.py: quantized against bf16, 0.5B and 3B shapes
 #
+# Several modes run one after the other: `bash benches/gpu_run.sh models quant`.
 # Optional: wheels of missing pure-Python packages in .gpuwhl/ are installed to /tmp/site first.
 set -o pipefail
-MODE=${1:-tests}
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0 TOKENIZERS_PARALLELISM=false
@@ -29,6 +32,8 @@ step() {  # step NAME SECONDS CMD...: runs CMD with a timeout, its output in $OU
     echo "=== $name: exit $rc after $((SECONDS - t0)) s"
 }
 
+[ $# -gt 0 ] || set -- tests
+for MODE in "$@"; do
 case $MODE in
 tests)
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
@@ -51,6 +56,22 @@ nanovllm)
         --workloads nanovllm --max-model-len 4096 --hf-batch-size 256 --skip-roofline --bench-dir $BENCH \
         --out "$OUT/nanovllm-hf-cuda.json"
     ;;
+models)
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
+    step models 240 $PY -m pytest -q -m gpu tests/e2e/test_gpu_quantized.py tests/e2e/test_gpu_multimodal.py \
+        -p no:cacheprovider -rfE --durations=8
+    ;;
+kernels-quant)
+    step kernels_quant 150 $PY -m pytest -q -m gpu tests/kernels/test_triton_quant.py -p no:cacheprovider -rfE
+    ;;
+quant)
+    step gpu_quant_3b 240 $PY benches/gpu_quant.py --bench-dir $BENCH --model qwen2.5-3b --variants bf16,fp8,int8,rtn4 \
+        --out "$OUT/gpu_quant_3b.json"
+    step checkpoint 45 $PY benches/make_checkpoint.py $BENCH/qwen2-0.5b --dtype bfloat16
+    step gpu_quant 110 $PY benches/gpu_quant.py --bench-dir $BENCH --variants bf16,fp8,int8,rtn4,ct-w4a16 \
+        --out "$OUT/gpu_quant.json"
+    ;;
 *)
-    echo "unknown mode $MODE (tests, bench, nanovllm)"; exit 2 ;;
+    echo "unknown mode $MODE (tests, bench, nanovllm, models, kernels-quant, quant)"; exit 2 ;;
 esac
+done
