@@ -290,6 +290,7 @@ class CpuDecoder:
         scale: float,
         layers: list[tuple[_Buffer, _Buffer, tuple[Any, ...], _Buffer | None, tuple[Any, ...], tuple[Any, ...],
                            tuple[Any, ...]]],
+        dtype: str = "float32",
     ) -> CpuDecoder: ...
     def __len__(self) -> int: ...
     def run(

@@ -53,9 +53,25 @@ def test_qwen2_with_qkv_biases_on_int8_and_int4_weights(tiny_qwen2, caplog, monk
     _assert_layer_path_agrees(str(tiny_qwen2[0]), caplog, monkeypatch, quantization=quantization)
 
 
-def test_float_weights_keep_the_layer_path(tiny_llama, caplog):
-    _, log = _outputs(str(tiny_llama[0]), caplog)
-    assert f"{OFF}: a " in log and "weight" in log
+def test_bf16_model_with_qkv_biases(tiny_qwen2, caplog, monkeypatch):
+    """A bf16 model: bf16 activations, norms, rotary table and KV cache, the weights in the bf16
+    GEMM's packed form."""
+    _assert_layer_path_agrees(str(tiny_qwen2[0]), caplog, monkeypatch, dtype="bfloat16")
+
+
+def test_bf16_through_the_portable_gemm(tiny_llama, caplog, monkeypatch):
+    monkeypatch.setenv("FERROLLM_CPU_GEMM", "portable")
+    _assert_layer_path_agrees(str(tiny_llama[0]), caplog, monkeypatch, dtype="bfloat16")
+
+
+def test_float32_weights_keep_the_layer_path(tiny_llama, caplog):
+    _, log = _outputs(str(tiny_llama[0]), caplog, dtype="float32")
+    assert f"{OFF}: a " in log and "weight" in log and "float32 activations" in log
+
+
+def test_quantized_weights_in_a_bf16_model_keep_the_layer_path(tiny_qwen2, caplog):
+    _, log = _outputs(str(tiny_qwen2[0]), caplog, dtype="bfloat16", quantization="int8")
+    assert f"{OFF}: a QuantizedLinear weight" in log and "bfloat16 activations" in log
 
 
 def test_layers_it_does_not_take_keep_the_layer_path(tmp_path, tokenizer_dir, caplog):

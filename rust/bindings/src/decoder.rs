@@ -11,12 +11,18 @@
 //! - `("wq", bits, qweight, scales, mins | None, out_features, in_features, group_size)`: as
 //!   `cpu_wq_linear`;
 //! - `("w8a8", packed, weight_scale, input_scale | None, input_zero_point, out_features,
-//!   in_features)`: as `cpu_w8a8_linear`.
+//!   in_features)`: as `cpu_w8a8_linear`;
+//! - `("bf16", packed, out_features, in_features, kernel)`: as `cpu_gemm_bf16`.
+//!
+//! The activations, norms, bias, rotary table and caches are all `dtype`: `float32`, or
+//! `bfloat16` where every linear layer is `"bf16"`.
 
 use ferrollm_kernels::decoder::{decode_layers, DecodeStep, DecoderLayer, DecoderShape, LayerCache, Linear};
+use ferrollm_kernels::gemm_bf16::Bf16Kernel;
 use ferrollm_kernels::quant::w8a8::{ActQuant, W8a8Weight};
 use ferrollm_kernels::quant::wq::{QWeight, WqWeight};
 use ferrollm_kernels::quant::{GgmlType, QuantWeight};
+use ferrollm_kernels::{Bf16, SimdElement};
 use pyo3::prelude::*;
 use pyo3::types::PyTuple;
 
@@ -30,6 +36,7 @@ enum LinearSpec {
     Gguf { in_features: usize, weights: Vec<(GgmlType, Buffer, usize, usize, bool)> },
     Wq { bits: u32, q: Buffer, scales: Buffer, mins: Option<Buffer>, out: usize, inp: usize, group: usize },
     W8a8 { packed: Buffer, scale: Buffer, act: ActQuant, out: usize, inp: usize },
+    Bf16 { packed: Buffer, out: usize, inp: usize, kernel: Bf16Kernel },
 }
 
 impl LinearSpec {
@@ -62,8 +69,16 @@ impl LinearSpec {
                     input_scale.map_or(ActQuant::Dynamic, |scale| ActQuant::Static { scale, zero_point });
                 LinearSpec::W8a8 { packed, scale, act, out, inp }
             }
+            "bf16" => {
+                let (packed, out, inp, kernel): (_, _, _, String) = rest.extract()?;
+                let Some(kernel) = Bf16Kernel::from_name(&kernel) else {
+                    return Err(raise("KernelError", format!("no bf16 GEMM kernel named '{kernel}'")));
+                };
+                LinearSpec::Bf16 { packed, out, inp, kernel }
+            }
             other => {
-                let msg = format!("a linear layer's form must be 'gguf', 'wq' or 'w8a8'. Given: '{other}'");
+                let msg =
+                    format!("a linear layer's form must be 'gguf', 'wq', 'w8a8' or 'bf16'. Given: '{other}'");
                 return Err(raise("KernelError", msg));
             }
         })
@@ -95,6 +110,9 @@ impl LinearSpec {
                 let weight = W8a8Weight { packed: view(packed), weight_scale: view(scale) };
                 Linear::W8a8 { weight, act, out_features: out, in_features: inp }
             }
+            LinearSpec::Bf16 { packed, out, inp, kernel } => {
+                Linear::Bf16 { packed: view(packed), out_features: out, in_features: inp, kernel }
+            }
         }
     }
 }
@@ -124,14 +142,15 @@ type LayerArgs<'py> = (
 pub struct PyCpuDecoder {
     shape: DecoderShape,
     layers: Vec<LayerSpec>,
+    bf16: bool,
 }
 
 #[pymethods]
 impl PyCpuDecoder {
     /// `layers`: per layer `(input_norm, post_attention_norm, qkv, qkv_bias | None, o, gate_up,
-    /// down)`, norms and bias float32, the linear layers as the module doc describes.
+    /// down)`, norms and bias of `dtype`, the linear layers as the module doc describes.
     #[new]
-    #[pyo3(signature = (hidden, num_heads, num_kv_heads, head_dim, rotary_dim, intermediate, eps, scale, layers))]
+    #[pyo3(signature = (hidden, num_heads, num_kv_heads, head_dim, rotary_dim, intermediate, eps, scale, layers, dtype = "float32"))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         hidden: usize,
@@ -143,7 +162,18 @@ impl PyCpuDecoder {
         eps: f32,
         scale: f32,
         layers: Vec<LayerArgs<'_>>,
+        dtype: &str,
     ) -> PyResult<Self> {
+        let bf16 = match dtype {
+            "float32" => false,
+            "bfloat16" => true,
+            other => {
+                return Err(raise(
+                    "KernelError",
+                    format!("`dtype` must be 'float32' or 'bfloat16'. Given: '{other}'"),
+                ))
+            }
+        };
         let shape =
             DecoderShape { hidden, num_heads, num_kv_heads, head_dim, rotary_dim, intermediate, eps, scale };
         let layers = layers
@@ -160,7 +190,7 @@ impl PyCpuDecoder {
                 })
             })
             .collect::<PyResult<_>>()?;
-        Ok(Self { shape, layers })
+        Ok(Self { shape, layers, bf16 })
     }
 
     /// The number of layers.
@@ -168,11 +198,11 @@ impl PyCpuDecoder {
         self.layers.len()
     }
 
-    /// One decode step (see `decode_layers`): `hidden` (float32 `[rows, hidden]`, the
-    /// embeddings, overwritten with the last layer's output), `residual` (float32, written),
-    /// `positions` and `slot_mapping` int64 `[rows]`, `block_tables` int32 `[rows,
-    /// max_blocks_per_seq]`, `seq_lens` int32 `[rows]`, `cos_sin` float32, and each layer's
-    /// `(key_cache, value_cache)` float32.
+    /// One decode step (see `decode_layers`): `hidden` (`[rows, hidden]`, the embeddings,
+    /// overwritten with the last layer's output), `residual` (written), `positions` and
+    /// `slot_mapping` int64 `[rows]`, `block_tables` int32 `[rows, max_blocks_per_seq]`,
+    /// `seq_lens` int32 `[rows]`, `cos_sin`, and each layer's `(key_cache, value_cache)`; the
+    /// float tensors all of the decoder's `dtype`.
     #[pyo3(signature = (hidden, residual, positions, slot_mapping, block_tables, max_blocks_per_seq, seq_lens, block_size, cos_sin, caches, threads))]
     #[allow(clippy::too_many_arguments)]
     fn run(
@@ -190,35 +220,69 @@ impl PyCpuDecoder {
         caches: Vec<(Buffer, Buffer)>,
         threads: usize,
     ) -> PyResult<()> {
+        let step =
+            StepBuffers { positions, slot_mapping, block_tables, max_blocks_per_seq, seq_lens, block_size };
         // SAFETY: the weights are live while `self` is (the caller's promise, see the module
         // doc); the step's buffers for this call. `hidden`, `residual` and the caches are
         // distinct tensors that nothing else reads or writes meanwhile.
         unsafe {
-            let layers: Vec<DecoderLayer<'_>> = self.layers.iter().map(|l| l.layer()).collect();
-            let mut caches: Vec<LayerCache<'_>> = caches
-                .into_iter()
-                .map(|(k, v)| LayerCache { key: view_mut(k), value: view_mut(v) })
-                .collect();
-            let step = DecodeStep {
-                positions: view(positions),
-                slot_mapping: view(slot_mapping),
-                block_tables: view(block_tables),
-                max_blocks_per_seq,
-                seq_lens: view(seq_lens),
-                block_size,
-                cos_sin: view(cos_sin),
-            };
-            let (hidden, residual) = (view_mut::<f32>(hidden), view_mut::<f32>(residual));
-            py.detach(|| decode_layers(&layers, &mut caches, self.shape, step, hidden, residual, threads))
-                .map_err(kernel_error)
+            if self.bf16 {
+                self.run_as::<Bf16>(py, hidden, residual, step, cos_sin, caches, threads)
+            } else {
+                self.run_as::<f32>(py, hidden, residual, step, cos_sin, caches, threads)
+            }
         }
+    }
+}
+
+/// A step's integer buffers and sizes, as `run` receives them.
+struct StepBuffers {
+    positions: Buffer,
+    slot_mapping: Buffer,
+    block_tables: Buffer,
+    max_blocks_per_seq: usize,
+    seq_lens: Buffer,
+    block_size: usize,
+}
+
+impl PyCpuDecoder {
+    /// `run` with the float buffers read as `T`.
+    ///
+    /// # Safety
+    /// As `run`'s (see there).
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn run_as<T: SimdElement>(
+        &self,
+        py: Python<'_>,
+        hidden: Buffer,
+        residual: Buffer,
+        step: StepBuffers,
+        cos_sin: Buffer,
+        caches: Vec<(Buffer, Buffer)>,
+        threads: usize,
+    ) -> PyResult<()> {
+        let layers: Vec<DecoderLayer<'_, T>> = self.layers.iter().map(|l| l.layer()).collect();
+        let mut caches: Vec<LayerCache<'_, T>> =
+            caches.into_iter().map(|(k, v)| LayerCache { key: view_mut(k), value: view_mut(v) }).collect();
+        let decode = DecodeStep {
+            positions: view(step.positions),
+            slot_mapping: view(step.slot_mapping),
+            block_tables: view(step.block_tables),
+            max_blocks_per_seq: step.max_blocks_per_seq,
+            seq_lens: view(step.seq_lens),
+            block_size: step.block_size,
+            cos_sin: view(cos_sin),
+        };
+        let (hidden, residual) = (view_mut::<T>(hidden), view_mut::<T>(residual));
+        py.detach(|| decode_layers(&layers, &mut caches, self.shape, decode, hidden, residual, threads))
+            .map_err(kernel_error)
     }
 }
 
 impl LayerSpec {
     /// # Safety
     /// As [`LinearSpec::linear`].
-    unsafe fn layer(&self) -> DecoderLayer<'_> {
+    unsafe fn layer<T>(&self) -> DecoderLayer<'_, T> {
         DecoderLayer {
             input_norm: view(self.input_norm),
             post_attention_norm: view(self.post_attention_norm),

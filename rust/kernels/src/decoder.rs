@@ -20,17 +20,26 @@
 //! ```
 //!
 //! The linear layers take any of the weight forms the CPU kernels compute from ([`Linear`]).
-//! Activations are f32. Scratch space is allocated once per call, a few rows wide.
+//! Activations, norms, the rotary table and the KV cache share one element type `T`: f32 (any
+//! weight form) or bf16 (a bf16 model's packed bf16 weights; the quantized products take f32
+//! only). Every kernel sums in f32 and rounds its output to `T`, as the layer path's calls do.
+//! Scratch space is allocated once per call, a few rows wide.
 
 use crate::activation::silu_and_mul;
 use crate::attention::{paged_decode, DecodeInputs, DecodeOptions, DecodeShape, KvScales};
 use crate::cache::{write_kv, CacheWriteShape};
+use crate::element::Element;
 use crate::error::{check_len, KernelError};
+use crate::gemm::GemmShape;
+use crate::gemm_bf16::{gemm_bf16, Bf16Kernel};
 use crate::norm::{fused_add_rms_norm, rms_norm, RmsNormWeight};
 use crate::quant::matmul::{matmul_stacked, QuantWeight};
 use crate::quant::w8a8::{w8a8_linear, ActQuant, W8a8Shape, W8a8Weight};
 use crate::quant::wq::{wq_linear, WqShape, WqWeight};
 use crate::rotary::{rotate_neox, RotaryShape};
+use crate::simd::SimdElement;
+use crate::Bf16;
+use std::any::TypeId;
 
 /// A linear layer's weight `[out_features, in_features]` in one of the CPU kernels' forms.
 #[derive(Clone, Debug)]
@@ -41,32 +50,51 @@ pub enum Linear<'a> {
     Wq { weight: WqWeight<'a>, out_features: usize, in_features: usize, group_size: usize },
     /// int8 weights times int8 activations (compressed-tensors W8A8, `quantization="int8"`).
     W8a8 { weight: W8a8Weight<'a>, act: ActQuant, out_features: usize, in_features: usize },
+    /// bf16 weights in the bf16 GEMM's packed form (`gemm_bf16::pack_weight_bf16`), multiplied by
+    /// `kernel`.
+    Bf16 { packed: &'a [Bf16], out_features: usize, in_features: usize, kernel: Bf16Kernel },
 }
 
 impl Linear<'_> {
     pub fn out_features(&self) -> usize {
         match self {
             Linear::Gguf(weights) => weights.iter().map(|w| w.out_features).sum(),
-            Linear::Wq { out_features, .. } | Linear::W8a8 { out_features, .. } => *out_features,
+            Linear::Wq { out_features, .. }
+            | Linear::W8a8 { out_features, .. }
+            | Linear::Bf16 { out_features, .. } => *out_features,
         }
     }
 
     pub fn in_features(&self) -> usize {
         match self {
             Linear::Gguf(weights) => weights.first().map_or(0, |w| w.in_features),
-            Linear::Wq { in_features, .. } | Linear::W8a8 { in_features, .. } => *in_features,
+            Linear::Wq { in_features, .. }
+            | Linear::W8a8 { in_features, .. }
+            | Linear::Bf16 { in_features, .. } => *in_features,
         }
     }
 
     /// `out = x · Wᵀ + bias` for `rows` rows.
-    pub fn forward(
+    ///
+    /// # Errors
+    /// Mis-sized buffers, or bf16 activations for a quantized weight.
+    pub fn forward<T: Element>(
         &self,
-        x: &[f32],
+        x: &[T],
         rows: usize,
-        bias: Option<&[f32]>,
-        out: &mut [f32],
+        bias: Option<&[T]>,
+        out: &mut [T],
         threads: usize,
     ) -> Result<(), KernelError> {
+        if let Linear::Bf16 { packed, out_features, in_features, kernel } = *self {
+            let shape = GemmShape { rows, out_features, in_features };
+            return gemm_bf16(x, packed, bias, out, shape, kernel, threads);
+        }
+        let (Some(x), Some(out)) = (as_f32(x), as_f32_mut(out)) else {
+            let limit = "float32 activations for a quantized weight".to_string();
+            return Err(KernelError::Param { name: "activations", limit, value: "bfloat16".into() });
+        };
+        let bias = bias.and_then(as_f32);
         match *self {
             Linear::Gguf(ref weights) => matmul_stacked(weights, x, rows, bias, out, threads),
             Linear::Wq { weight, out_features, in_features, group_size } => {
@@ -77,20 +105,32 @@ impl Linear<'_> {
                 let shape = W8a8Shape { rows, out_features, in_features };
                 w8a8_linear(x, weight, bias, act, out, shape, threads)
             }
+            Linear::Bf16 { .. } => unreachable!("taken above"),
         }
     }
 }
 
-/// One decoder layer's weights.
+/// `x` as f32 when `T` is f32.
+fn as_f32<T: Element>(x: &[T]) -> Option<&[f32]> {
+    // SAFETY: `T` is `f32` itself, so the slice is reinterpreted as its own type.
+    (TypeId::of::<T>() == TypeId::of::<f32>()).then(|| unsafe { &*(x as *const [T] as *const [f32]) })
+}
+
+fn as_f32_mut<T: Element>(x: &mut [T]) -> Option<&mut [f32]> {
+    // SAFETY: as `as_f32`.
+    (TypeId::of::<T>() == TypeId::of::<f32>()).then(|| unsafe { &mut *(x as *mut [T] as *mut [f32]) })
+}
+
+/// One decoder layer's weights; norms and bias in the activations' element type.
 #[derive(Clone, Debug)]
-pub struct DecoderLayer<'a> {
+pub struct DecoderLayer<'a, T = f32> {
     /// `[hidden]`, before attention.
-    pub input_norm: &'a [f32],
+    pub input_norm: &'a [T],
     /// `[hidden]`, before the MLP.
-    pub post_attention_norm: &'a [f32],
+    pub post_attention_norm: &'a [T],
     /// q, k and v side by side: `[(num_heads + 2 num_kv_heads) head_dim, hidden]`.
     pub qkv: Linear<'a>,
-    pub qkv_bias: Option<&'a [f32]>,
+    pub qkv_bias: Option<&'a [T]>,
     /// `[hidden, num_heads head_dim]`.
     pub o: Linear<'a>,
     /// gate and up side by side: `[2 intermediate, hidden]`.
@@ -130,14 +170,14 @@ impl DecoderShape {
 }
 
 /// One layer's paged KV cache, `[num_blocks, block_size, num_kv_heads, head_dim]` each.
-pub struct LayerCache<'a> {
-    pub key: &'a mut [f32],
-    pub value: &'a mut [f32],
+pub struct LayerCache<'a, T = f32> {
+    pub key: &'a mut [T],
+    pub value: &'a mut [T],
 }
 
 /// The step: one token per row, at the end of its request.
 #[derive(Clone, Copy, Debug)]
-pub struct DecodeStep<'a> {
+pub struct DecodeStep<'a, T = f32> {
     /// `[rows]` positions of the tokens.
     pub positions: &'a [i64],
     /// `[rows]` cache slots the tokens' keys and values go to.
@@ -150,19 +190,19 @@ pub struct DecodeStep<'a> {
     /// Tokens per KV block.
     pub block_size: usize,
     /// `[max_position, rotary_dim]`: cosines, then sines.
-    pub cos_sin: &'a [f32],
+    pub cos_sin: &'a [T],
 }
 
 /// Runs `layers` over `hidden` (`[rows, hidden]`, the embeddings), leaving the last layer's
 /// output in `hidden` and the residual stream in `residual` (the model's final norm adds them).
 /// Every layer's weights and cache are checked before any cache is written.
-pub fn decode_layers(
-    layers: &[DecoderLayer<'_>],
-    caches: &mut [LayerCache<'_>],
+pub fn decode_layers<T: SimdElement>(
+    layers: &[DecoderLayer<'_, T>],
+    caches: &mut [LayerCache<'_, T>],
     shape: DecoderShape,
-    step: DecodeStep<'_>,
-    hidden: &mut [f32],
-    residual: &mut [f32],
+    step: DecodeStep<'_, T>,
+    hidden: &mut [T],
+    residual: &mut [T],
     threads: usize,
 ) -> Result<(), KernelError> {
     let rows = step.positions.len();
@@ -192,22 +232,22 @@ pub fn decode_layers(
 }
 
 /// Per-call buffers, each `rows` rows wide.
-struct Scratch {
-    normed: Vec<f32>,
+struct Scratch<T> {
+    normed: Vec<T>,
     /// The residual stream, and the buffer its next value is written to.
-    stream: Vec<f32>,
-    next: Vec<f32>,
-    qkv: Vec<f32>,
-    q: Vec<f32>,
-    k: Vec<f32>,
-    attn: Vec<f32>,
-    gate_up: Vec<f32>,
-    act: Vec<f32>,
+    stream: Vec<T>,
+    next: Vec<T>,
+    qkv: Vec<T>,
+    q: Vec<T>,
+    k: Vec<T>,
+    attn: Vec<T>,
+    gate_up: Vec<T>,
+    act: Vec<T>,
 }
 
-impl Scratch {
+impl<T: Element> Scratch<T> {
     fn new(rows: usize, s: &DecoderShape) -> Self {
-        let zeros = |width: usize| vec![0.0f32; rows * width];
+        let zeros = |width: usize| vec![T::from_f32(0.0); rows * width];
         Scratch {
             normed: zeros(s.hidden),
             stream: zeros(s.hidden),
@@ -224,10 +264,10 @@ impl Scratch {
 
 /// `stream += hidden; scratch.normed = norm(stream)`: the sum goes to `next`, which then becomes
 /// the stream (a swap, not a copy).
-fn add_norm(
-    hidden: &[f32],
-    norm: RmsNormWeight<'_, f32>,
-    scratch: &mut Scratch,
+fn add_norm<T: Element>(
+    hidden: &[T],
+    norm: RmsNormWeight<'_, T>,
+    scratch: &mut Scratch<T>,
     threads: usize,
 ) -> Result<(), KernelError> {
     fused_add_rms_norm(hidden, &scratch.stream, norm, &mut scratch.normed, &mut scratch.next, threads)?;
@@ -237,12 +277,12 @@ fn add_norm(
 
 /// `scratch.attn = attention(rotary(q), cache)` from `scratch.normed`, the keys and values
 /// written to the cache first.
-fn attention(
-    layer: &DecoderLayer<'_>,
-    cache: &mut LayerCache<'_>,
+fn attention<T: SimdElement>(
+    layer: &DecoderLayer<'_, T>,
+    cache: &mut LayerCache<'_, T>,
     s: &DecoderShape,
-    step: &DecodeStep<'_>,
-    scratch: &mut Scratch,
+    step: &DecodeStep<'_, T>,
+    scratch: &mut Scratch<T>,
     threads: usize,
 ) -> Result<(), KernelError> {
     let rows = step.positions.len();
@@ -282,11 +322,11 @@ fn attention(
 }
 
 /// The sizes that the kernels would only find wrong halfway through the stack.
-fn check(
-    layers: &[DecoderLayer<'_>],
-    caches: &[LayerCache<'_>],
+fn check<T: 'static>(
+    layers: &[DecoderLayer<'_, T>],
+    caches: &[LayerCache<'_, T>],
     s: &DecoderShape,
-    step: &DecodeStep<'_>,
+    step: &DecodeStep<'_, T>,
     hidden_len: usize,
     residual_len: usize,
 ) -> Result<(), KernelError> {
@@ -316,6 +356,11 @@ fn check(
         ] {
             check_len(name, linear.out_features(), out)?;
             check_len(name, linear.in_features(), inp)?;
+            if TypeId::of::<T>() != TypeId::of::<f32>() && !matches!(linear, Linear::Bf16 { .. }) {
+                let limit =
+                    "bf16 weights with bf16 activations (the quantized products take f32)".to_string();
+                return Err(KernelError::Param { name, limit, value: "a quantized weight".into() });
+            }
         }
         if let Some(bias) = layer.qkv_bias {
             check_len("qkv_bias", bias.len(), s.qkv_size())?;

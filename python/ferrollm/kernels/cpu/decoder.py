@@ -10,10 +10,14 @@ so the outputs are the layer path's bit for bit.
 
 It takes pre-norm Llama-shaped layers as `LlamaDecoderLayer` builds them (Llama, Mistral, Qwen2
 and the GGUF files of those): RMSNorm, NeoX rotary, no sliding window or soft-capping, no q/k
-norms, SiLU-gated MLP, no residual scaling; float32 activations and KV cache; one tensor-parallel
-rank; every linear layer quantized in a form the CPU kernels compute from (GGUF blocks,
-weight-only int4/int8 without act order, W8A8 int8). Anything else, and
-``FERROLLM_CPU_FUSED_DECODE=0``, keeps the layer path; the log says which once.
+norms, SiLU-gated MLP, no residual scaling; one tensor-parallel rank; and either
+
+- float32 activations and KV cache, every linear layer quantized in a form the CPU kernels
+  compute from (GGUF blocks, weight-only int4/int8 without act order, W8A8 int8), or
+- bfloat16 activations and KV cache, every linear layer in the bf16 GEMM's packed form (a bf16
+  model: ``dtype="auto"`` on a bf16 checkpoint or a BF16 GGUF).
+
+Anything else, and ``FERROLLM_CPU_FUSED_DECODE=0``, keeps the layer path; the log says which once.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import torch
 from torch import nn
 
 from ferrollm import _core
-from ferrollm.kernels.cpu import _buf, _threads, supports
+from ferrollm.kernels.cpu import _buf, _threads, gemm_bf16, supports
 
 __all__ = ["CpuDecoder", "build_cpu_decoder"]
 
@@ -35,15 +39,17 @@ logger = logging.getLogger(__name__)
 class CpuDecoder:
     """A model's decoder layers on the Rust side, and the tensors they read kept alive."""
 
-    def __init__(self, core: _core.CpuDecoder, held: list[torch.Tensor], cos_sin: torch.Tensor):
+    def __init__(self, core: _core.CpuDecoder, held: list[torch.Tensor], cos_sin: torch.Tensor,
+                 dtype: torch.dtype):
         self._core = core
+        self.dtype = dtype  # of the activations, norms, rotary table and KV cache
         self._held = held  # every tensor `core` reads by address
         self._cos_sin = cos_sin
         self._caches: tuple[list[torch.Tensor], list[tuple[tuple[int, int], tuple[int, int]]]] | None = None
 
     def takes(self, hidden_states: torch.Tensor, kv_caches: list[torch.Tensor]) -> bool:
         """Whether a decode step with these activations and caches can run here."""
-        if hidden_states.dtype != torch.float32 or hidden_states.dim() != 2:
+        if hidden_states.dtype != self.dtype or hidden_states.dim() != 2:
             return False
         return self._cache_buffers(kv_caches) is not None
 
@@ -71,7 +77,7 @@ class CpuDecoder:
                 a is b for a, b in zip(self._caches[0], kv_caches)):
             return self._caches[1]
         if len(kv_caches) != len(self._core) or not all(
-                c.dtype == torch.float32 and c.is_cpu and c.is_contiguous() for c in kv_caches):
+                c.dtype == self.dtype and c.is_cpu and c.is_contiguous() for c in kv_caches):
             return None
         buffers = [(_buf(c[0]), _buf(c[1])) for c in kv_caches]
         self._caches = (list(kv_caches), buffers)
@@ -87,15 +93,24 @@ def build_cpu_decoder(model: nn.Module) -> CpuDecoder | None:
         return None
     layers = list(model.layers)
     attn = layers[0].self_attn
+    dtype = layers[0].input_layernorm.weight.dtype
     held: list[torch.Tensor] = []
     specs = [_layer_spec(layer, held) for layer in layers]
     rope = attn.rotary_emb
     core = _core.CpuDecoder(model.norm.weight.shape[0], attn.attn.num_heads, attn.attn.num_kv_heads, attn.head_dim,
                             rope.rotary_dim, layers[0].mlp.down_proj.input_size_per_partition,
-                            float(layers[0].input_layernorm.variance_epsilon), float(attn.attn.scale), specs)
-    logger.info("one-call CPU decode on: %d layers, weights as %s", len(layers),
-                sorted({layer.self_attn.qkv_proj._cpu.kind for layer in layers}))
-    return CpuDecoder(core, held, rope.cos_sin_cache)
+                            float(layers[0].input_layernorm.variance_epsilon), float(attn.attn.scale), specs,
+                            _DTYPE_NAMES[dtype])
+    logger.info("one-call CPU decode on: %d layers, %s activations, weights as %s", len(layers),
+                _DTYPE_NAMES[dtype], sorted({_form_name(layer.self_attn.qkv_proj._cpu) for layer in layers}))
+    return CpuDecoder(core, held, rope.cos_sin_cache, dtype)
+
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
+
+
+def _form_name(form) -> str:
+    return getattr(form, "kind", "bf16")
 
 
 def _refusal(model: nn.Module) -> str | None:
@@ -134,26 +149,28 @@ def _layer_refusal(layer: nn.Module) -> str | None:
 
     attn, mlp = layer.self_attn, layer.mlp
     norms = (layer.input_layernorm, layer.post_attention_layernorm)
+    dtype = layer.input_layernorm.weight.dtype
     if layer.residual_multiplier != 1.0 or attn.qk_norm or attn.attn.sliding_window is not None \
             or attn.attn.logits_soft_cap is not None:
         return "residual scaling, q/k norms, a sliding window or soft-capping"
-    if any(type(n) is not RMSNorm or n._gemma or n.weight.dtype != torch.float32 or not n.weight.is_cpu
-           for n in norms):
-        return "norms other than float32 RMSNorm"
+    if dtype not in _DTYPE_NAMES or any(
+            type(n) is not RMSNorm or n._gemma or n.weight.dtype != dtype or not n.weight.is_cpu for n in norms):
+        return "norms other than RMSNorm in float32 or bfloat16"
     if not isinstance(mlp.act_fn, SiluAndMul):
         return "an MLP activation other than SiLU"
     rope = attn.rotary_emb
     # Exactly RotaryEmbedding: M-RoPE (Qwen2-VL) subclasses it with positions of another shape.
-    if type(rope) is not RotaryEmbedding or not rope.is_neox_style or rope.cos_sin_cache.dtype != torch.float32 \
+    if type(rope) is not RotaryEmbedding or not rope.is_neox_style or rope.cos_sin_cache.dtype != dtype \
             or not rope.cos_sin_cache.is_cpu:
-        return "a rotary embedding other than plain NeoX style in float32"
+        return "a rotary embedding other than plain NeoX style in the norms' dtype"
     for proj in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
         if proj.tp_size != 1:
             return "tensor parallelism"
-        if _linear_spec(proj, []) is None:
-            return f"a {type(proj._cpu).__name__} weight ({proj.extra_repr()}) the one-call path does not take"
-        if proj.bias is not None and (proj is not attn.qkv_proj or proj.bias.dtype != torch.float32):
-            return "biases other than float32 q/k/v biases"
+        if _linear_spec(proj, []) is None or (dtype == torch.bfloat16) != _is_packed_bf16(proj._cpu):
+            return (f"a {type(proj._cpu).__name__} weight ({proj.extra_repr()}) the one-call path does not take "
+                    f"with {_DTYPE_NAMES.get(dtype, dtype)} activations")
+        if proj.bias is not None and (proj is not attn.qkv_proj or proj.bias.dtype != dtype):
+            return "biases other than q/k/v biases in the norms' dtype"
     return None
 
 
@@ -174,6 +191,9 @@ def _linear_spec(proj: nn.Module, held: list[torch.Tensor]) -> tuple | None:
     from ferrollm.model_executor.layers.quantization.forms import QuantizedLinear
 
     form = proj._cpu
+    if _is_packed_bf16(form):
+        held.append(form.weight)
+        return ("bf16", _buf(form.weight), form.out_features, form.in_features, gemm_bf16.kernel())
     if not isinstance(form, QuantizedLinear) or not form.on_cpu:
         return None
     if form.kind == "gguf":
@@ -190,3 +210,9 @@ def _linear_spec(proj: nn.Module, held: list[torch.Tensor]) -> tuple | None:
         return ("w8a8", _buf(form.packed), _buf(w.scale), scale, int(w.input_zero_point), form.out_features,
                 form.in_features)
     return None
+
+
+def _is_packed_bf16(form) -> bool:
+    from ferrollm.model_executor.layers.cpu_weights import PackedBf16Weight
+
+    return isinstance(form, PackedBf16Weight)
