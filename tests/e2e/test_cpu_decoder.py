@@ -1,15 +1,18 @@
 """The one-call CPU decoder (`ferrollm.kernels.cpu.decoder`): decode steps through every layer in
-one Rust call give the layer-by-layer path's outputs exactly, on each weight form it takes, and
-models it does not take keep the layer path (the log says why)."""
+one Rust call give the layer-by-layer path's outputs exactly, on each weight form it takes
+(GGUF blocks, int8/int4, W8A8, packed float32, packed bf16 with bf16 activations), and models it
+does not take keep the layer path (the log says why)."""
 
 from __future__ import annotations
 
 import logging
 
 import pytest
+import torch
 
 from ferrollm import LLM, SamplingParams
 from ferrollm.cli import default_model
+from ferrollm.model_executor.layers.cpu_weights import cpu_weight_form
 
 PROMPTS = [{"prompt_token_ids": [5, 6, 7]}, {"prompt_token_ids": list(range(10, 60))},
            {"prompt_token_ids": list(range(10, 40)) + [200, 201]}, {"prompt_token_ids": [9] * 20}]
@@ -64,9 +67,14 @@ def test_bf16_through_the_portable_gemm(tiny_llama, caplog, monkeypatch):
     _assert_layer_path_agrees(str(tiny_llama[0]), caplog, monkeypatch, dtype="bfloat16")
 
 
-def test_float32_weights_keep_the_layer_path(tiny_llama, caplog):
-    _, log = _outputs(str(tiny_llama[0]), caplog, dtype="float32")
-    assert f"{OFF}: a " in log and "weight" in log and "float32 activations" in log
+def test_float32_weights_packed_for_the_gemm(tiny_qwen2, caplog, monkeypatch):
+    """float32 weights in the GEMM's packed form (AVX-512 CPUs), gate/up through the fused
+    SiLU-and-mul product; elsewhere the plain rows keep the layer path."""
+    if cpu_weight_form(torch.device("cpu"), torch.float32) == "packed":
+        _assert_layer_path_agrees(str(tiny_qwen2[0]), caplog, monkeypatch, dtype="float32")
+    else:
+        _, log = _outputs(str(tiny_qwen2[0]), caplog, dtype="float32")
+        assert f"{OFF}: a DenseRows weight" in log
 
 
 def test_quantized_weights_in_a_bf16_model_keep_the_layer_path(tiny_qwen2, caplog):

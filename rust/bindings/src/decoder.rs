@@ -12,7 +12,9 @@
 //!   `cpu_wq_linear`;
 //! - `("w8a8", packed, weight_scale, input_scale | None, input_zero_point, out_features,
 //!   in_features)`: as `cpu_w8a8_linear`;
-//! - `("bf16", packed, out_features, in_features, kernel)`: as `cpu_gemm_bf16`.
+//! - `("bf16", packed, out_features, in_features, kernel)`: as `cpu_gemm_bf16`;
+//! - `("f32", packed, out_features, in_features, gated)`: as `cpu_gemm` (`gated`: the two halves
+//!   of a `[gate, up]` pack, as `cpu_gemm_silu_mul`).
 //!
 //! The activations, norms, bias, rotary table and caches are all `dtype`: `float32`, or
 //! `bfloat16` where every linear layer is `"bf16"`.
@@ -37,6 +39,7 @@ enum LinearSpec {
     Wq { bits: u32, q: Buffer, scales: Buffer, mins: Option<Buffer>, out: usize, inp: usize, group: usize },
     W8a8 { packed: Buffer, scale: Buffer, act: ActQuant, out: usize, inp: usize },
     Bf16 { packed: Buffer, out: usize, inp: usize, kernel: Bf16Kernel },
+    F32 { packed: Buffer, out: usize, inp: usize, gated: bool },
 }
 
 impl LinearSpec {
@@ -76,9 +79,14 @@ impl LinearSpec {
                 };
                 LinearSpec::Bf16 { packed, out, inp, kernel }
             }
+            "f32" => {
+                let (packed, out, inp, gated) = rest.extract()?;
+                LinearSpec::F32 { packed, out, inp, gated }
+            }
             other => {
-                let msg =
-                    format!("a linear layer's form must be 'gguf', 'wq', 'w8a8' or 'bf16'. Given: '{other}'");
+                let msg = format!(
+                    "a linear layer's form must be 'gguf', 'wq', 'w8a8', 'bf16' or 'f32'. Given: '{other}'"
+                );
                 return Err(raise("KernelError", msg));
             }
         })
@@ -112,6 +120,9 @@ impl LinearSpec {
             }
             LinearSpec::Bf16 { packed, out, inp, kernel } => {
                 Linear::Bf16 { packed: view(packed), out_features: out, in_features: inp, kernel }
+            }
+            LinearSpec::F32 { packed, out, inp, gated } => {
+                Linear::F32 { packed: view(packed), out_features: out, in_features: inp, gated }
             }
         }
     }

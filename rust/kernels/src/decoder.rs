@@ -30,7 +30,7 @@ use crate::attention::{paged_decode, DecodeInputs, DecodeOptions, DecodeShape, K
 use crate::cache::{write_kv, CacheWriteShape};
 use crate::element::Element;
 use crate::error::{check_len, KernelError};
-use crate::gemm::GemmShape;
+use crate::gemm::{gemm, gemm_silu_mul, GemmShape};
 use crate::gemm_bf16::{gemm_bf16, Bf16Kernel};
 use crate::norm::{fused_add_rms_norm, rms_norm, RmsNormWeight};
 use crate::quant::matmul::{matmul_stacked, QuantWeight};
@@ -53,6 +53,9 @@ pub enum Linear<'a> {
     /// bf16 weights in the bf16 GEMM's packed form (`gemm_bf16::pack_weight_bf16`), multiplied by
     /// `kernel`.
     Bf16 { packed: &'a [Bf16], out_features: usize, in_features: usize, kernel: Bf16Kernel },
+    /// f32 weights in the GEMM's packed form (`gemm::pack_weight`); `gated`: a `[gate, up]`
+    /// projection packed as two halves for `gemm_silu_mul` (`out_features` counts both).
+    F32 { packed: &'a [f32], out_features: usize, in_features: usize, gated: bool },
 }
 
 impl Linear<'_> {
@@ -61,7 +64,8 @@ impl Linear<'_> {
             Linear::Gguf(weights) => weights.iter().map(|w| w.out_features).sum(),
             Linear::Wq { out_features, .. }
             | Linear::W8a8 { out_features, .. }
-            | Linear::Bf16 { out_features, .. } => *out_features,
+            | Linear::Bf16 { out_features, .. }
+            | Linear::F32 { out_features, .. } => *out_features,
         }
     }
 
@@ -70,14 +74,16 @@ impl Linear<'_> {
             Linear::Gguf(weights) => weights.first().map_or(0, |w| w.in_features),
             Linear::Wq { in_features, .. }
             | Linear::W8a8 { in_features, .. }
-            | Linear::Bf16 { in_features, .. } => *in_features,
+            | Linear::Bf16 { in_features, .. }
+            | Linear::F32 { in_features, .. } => *in_features,
         }
     }
 
     /// `out = x · Wᵀ + bias` for `rows` rows.
     ///
     /// # Errors
-    /// Mis-sized buffers, or bf16 activations for a quantized weight.
+    /// Mis-sized buffers, bf16 activations for a quantized or f32 weight, or a gated f32 weight
+    /// (its product exists only fused with the activation: `silu_and_mul`).
     pub fn forward<T: Element>(
         &self,
         x: &[T],
@@ -105,8 +111,38 @@ impl Linear<'_> {
                 let shape = W8a8Shape { rows, out_features, in_features };
                 w8a8_linear(x, weight, bias, act, out, shape, threads)
             }
+            Linear::F32 { packed, out_features, in_features, gated: false } => {
+                gemm(x, packed, bias, out, GemmShape { rows, out_features, in_features }, threads)
+            }
+            Linear::F32 { gated: true, .. } => {
+                let limit = "a plain f32 weight (a gated one runs through silu_and_mul)".to_string();
+                Err(KernelError::Param { name: "weight", limit, value: "gated".into() })
+            }
             Linear::Bf16 { .. } => unreachable!("taken above"),
         }
+    }
+
+    /// `out = silu(gate) · up` of this `[gate, up]` projection of `x`: in one kernel where the
+    /// weight is packed for it (a gated f32 weight), else the product into `gate_up` (`[rows,
+    /// out_features]`) and the activation apart; the values are bit for bit the same.
+    fn silu_and_mul<T: Element>(
+        &self,
+        x: &[T],
+        rows: usize,
+        gate_up: &mut [T],
+        out: &mut [T],
+        threads: usize,
+    ) -> Result<(), KernelError> {
+        if let Linear::F32 { packed, out_features, in_features, gated: true } = *self {
+            let (Some(x), Some(out)) = (as_f32(x), as_f32_mut(out)) else {
+                let limit = "float32 activations for a float32 weight".to_string();
+                return Err(KernelError::Param { name: "activations", limit, value: "bfloat16".into() });
+            };
+            let shape = GemmShape { rows, out_features: out_features / 2, in_features };
+            return gemm_silu_mul(x, packed, None, out, shape, threads);
+        }
+        self.forward(x, rows, None, gate_up, threads)?;
+        silu_and_mul(gate_up, self.out_features() / 2, out, threads)
     }
 }
 
@@ -223,8 +259,7 @@ pub fn decode_layers<T: SimdElement>(
         layer.o.forward(&scratch.attn, rows, None, hidden, threads)?;
         let post_norm = RmsNormWeight { weight: layer.post_attention_norm, eps: shape.eps, gemma: false };
         add_norm(hidden, post_norm, &mut scratch, threads)?;
-        layer.gate_up.forward(&scratch.normed, rows, None, &mut scratch.gate_up, threads)?;
-        silu_and_mul(&scratch.gate_up, shape.intermediate, &mut scratch.act, threads)?;
+        layer.gate_up.silu_and_mul(&scratch.normed, rows, &mut scratch.gate_up, &mut scratch.act, threads)?;
         layer.down.forward(&scratch.act, rows, None, hidden, threads)?;
     }
     residual.copy_from_slice(&scratch.stream);
@@ -357,9 +392,12 @@ fn check<T: 'static>(
             check_len(name, linear.out_features(), out)?;
             check_len(name, linear.in_features(), inp)?;
             if TypeId::of::<T>() != TypeId::of::<f32>() && !matches!(linear, Linear::Bf16 { .. }) {
-                let limit =
-                    "bf16 weights with bf16 activations (the quantized products take f32)".to_string();
-                return Err(KernelError::Param { name, limit, value: "a quantized weight".into() });
+                let limit = "bf16 weights with bf16 activations (the other products take f32)".to_string();
+                return Err(KernelError::Param { name, limit, value: "a quantized or f32 weight".into() });
+            }
+            if matches!(linear, Linear::F32 { gated: true, .. }) && name != "gate_up" {
+                let limit = "a plain f32 weight (only gate_up is gated)".to_string();
+                return Err(KernelError::Param { name, limit, value: "gated".into() });
             }
         }
         if let Some(bias) = layer.qkv_bias {

@@ -13,7 +13,8 @@ and the GGUF files of those): RMSNorm, NeoX rotary, no sliding window or soft-ca
 norms, SiLU-gated MLP, no residual scaling; one tensor-parallel rank; and either
 
 - float32 activations and KV cache, every linear layer quantized in a form the CPU kernels
-  compute from (GGUF blocks, weight-only int4/int8 without act order, W8A8 int8), or
+  compute from (GGUF blocks, weight-only int4/int8 without act order, W8A8 int8) or float32 in
+  the GEMM's packed form (where that GEMM runs: AVX-512), or
 - bfloat16 activations and KV cache, every linear layer in the bf16 GEMM's packed form (a bf16
   model: ``dtype="auto"`` on a bf16 checkpoint or a BF16 GGUF).
 
@@ -110,7 +111,7 @@ _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 
 
 def _form_name(form) -> str:
-    return getattr(form, "kind", "bf16")
+    return getattr(form, "kind", None) or type(form).__name__
 
 
 def _refusal(model: nn.Module) -> str | None:
@@ -187,6 +188,7 @@ def _linear_spec(proj: nn.Module, held: list[torch.Tensor]) -> tuple | None:
     """The Rust description of ``proj``'s weight (see ``rust/bindings/src/decoder.rs``), or None
     for a form the one-call path does not take; its tensors are added to ``held``."""
     from ferrollm.kernels.cpu.gguf import segment_buffer
+    from ferrollm.model_executor.layers.cpu_weights import PackedWeight
     from ferrollm.model_executor.layers.quantization import qweights as qw
     from ferrollm.model_executor.layers.quantization.forms import QuantizedLinear
 
@@ -194,6 +196,9 @@ def _linear_spec(proj: nn.Module, held: list[torch.Tensor]) -> tuple | None:
     if _is_packed_bf16(form):
         held.append(form.weight)
         return ("bf16", _buf(form.weight), form.out_features, form.in_features, gemm_bf16.kernel())
+    if isinstance(form, PackedWeight):
+        held.append(form.weight)
+        return ("f32", _buf(form.weight), form.out_features, form.in_features, form.gated)
     if not isinstance(form, QuantizedLinear) or not form.on_cpu:
         return None
     if form.kind == "gguf":

@@ -3,6 +3,7 @@
 //! for the bf16 GEMM; and its argument checks.
 
 use super::*;
+use crate::gemm::{pack_weight, packed_len};
 use crate::gemm_bf16::{pack_weight_bf16, packed_len_bf16};
 use crate::quant::wq::QWeight;
 use crate::test_support::{linear, reference_attention, values};
@@ -36,6 +37,18 @@ impl Int8 {
     /// stay near 1 (bf16 rounds a logit of 100 by 0.25: a different softmax).
     fn exact_in_bf16(out: usize, inp: usize, seed: u32) -> Self {
         Int8 { scales: vec![1.0 / 512.0; out], ..Int8::new(out, inp, seed) }
+    }
+
+    /// The weight packed for the f32 GEMM; `gated`: each half on its own (a `[gate, up]` pack).
+    fn packed_f32(&self, gated: bool) -> Vec<f32> {
+        let dense = self.dense();
+        let parts = if gated { 2 } else { 1 };
+        let (width, len) = (self.out / parts, packed_len(self.out / parts, self.inp));
+        let mut packed = vec![0.0; parts * len];
+        for (half, out) in dense.chunks_exact(width * self.inp).zip(packed.chunks_exact_mut(len)) {
+            pack_weight(half, out, width, self.inp, 1).unwrap();
+        }
+        packed
     }
 
     /// The weight packed for the bf16 GEMM.
@@ -213,6 +226,35 @@ fn decode_steps_match_an_f64_recompute_of_the_sequence() {
     run_steps(&stack, &layers, cos_sin(), |v| v, 1e-3);
 }
 
+/// The f32 GEMM's packed weights, gate and up through the fused SiLU-and-mul product.
+#[test]
+fn f32_packed_weights_match_the_recompute() {
+    let stack = [weights(10), weights(20)];
+    let packed: Vec<[Vec<f32>; 4]> = stack
+        .iter()
+        .map(|w| {
+            [
+                w.qkv.packed_f32(false),
+                w.o.packed_f32(false),
+                w.gate_up.packed_f32(true),
+                w.down.packed_f32(false),
+            ]
+        })
+        .collect();
+    let layers: Vec<DecoderLayer<'_>> = stack
+        .iter()
+        .zip(&packed)
+        .map(|(w, p)| DecoderLayer {
+            qkv: f32_linear(&p[0], &w.qkv, false),
+            o: f32_linear(&p[1], &w.o, false),
+            gate_up: f32_linear(&p[2], &w.gate_up, true),
+            down: f32_linear(&p[3], &w.down, false),
+            ..layer(w)
+        })
+        .collect();
+    run_steps(&stack, &layers, cos_sin(), |v| v, 1e-3);
+}
+
 /// bf16 weights (exact in bf16) under f32 activations: the bf16 GEMM's products are exact, so
 /// the f32 test's tolerance holds.
 #[test]
@@ -261,6 +303,10 @@ fn bf16_decode_steps_match_the_recompute_within_bf16_rounding() {
         .collect();
     let table: Vec<f32> = cos_sin().into_iter().map(to_bf16).collect();
     run_steps(&stack, &layers, table, to_bf16, 5e-2);
+}
+
+fn f32_linear<'a>(packed: &'a [f32], w: &Int8, gated: bool) -> Linear<'a> {
+    Linear::F32 { packed, out_features: w.out, in_features: w.inp, gated }
 }
 
 fn bf16_linear<'a>(packed: &'a [Bf16], w: &Int8) -> Linear<'a> {
