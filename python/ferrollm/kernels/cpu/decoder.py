@@ -30,6 +30,8 @@ import torch
 from torch import nn
 
 from ferrollm import _core
+from ferrollm.attention import cpu_backend
+from ferrollm.attention.selector import get_attn_backend
 from ferrollm.kernels.cpu import _buf, _threads, gemm_bf16, supports
 
 __all__ = ["CpuDecoder", "build_cpu_decoder"]
@@ -51,6 +53,10 @@ class CpuDecoder:
     def takes(self, hidden_states: torch.Tensor, kv_caches: list[torch.Tensor]) -> bool:
         """Whether a decode step with these activations and caches can run here."""
         if hidden_states.dtype != self.dtype or hidden_states.dim() != 2:
+            return False
+        # The stack's attention is the torch CPU backend's kernel: where the layers would take
+        # another backend (FERROLLM_ATTENTION_BACKEND=TRITON on CPU tensors), they keep it.
+        if get_attn_backend(hidden_states.device) is not cpu_backend:
             return False
         return self._cache_buffers(kv_caches) is not None
 
