@@ -96,10 +96,7 @@ impl Linear<'_> {
             let shape = GemmShape { rows, out_features, in_features };
             return gemm_bf16(x, packed, bias, out, shape, kernel, threads);
         }
-        let (Some(x), Some(out)) = (as_f32(x), as_f32_mut(out)) else {
-            let limit = "float32 activations for a quantized weight".to_string();
-            return Err(KernelError::Param { name: "activations", limit, value: "bfloat16".into() });
-        };
+        let (x, out) = f32_activations(x, out)?;
         let bias = bias.and_then(as_f32);
         match *self {
             Linear::Gguf(ref weights) => matmul_stacked(weights, x, rows, bias, out, threads),
@@ -134,15 +131,26 @@ impl Linear<'_> {
         threads: usize,
     ) -> Result<(), KernelError> {
         if let Linear::F32 { packed, out_features, in_features, gated: true } = *self {
-            let (Some(x), Some(out)) = (as_f32(x), as_f32_mut(out)) else {
-                let limit = "float32 activations for a float32 weight".to_string();
-                return Err(KernelError::Param { name: "activations", limit, value: "bfloat16".into() });
-            };
+            let (x, out) = f32_activations(x, out)?;
             let shape = GemmShape { rows, out_features: out_features / 2, in_features };
             return gemm_silu_mul(x, packed, None, out, shape, threads);
         }
         self.forward(x, rows, None, gate_up, threads)?;
         silu_and_mul(gate_up, self.out_features() / 2, out, threads)
+    }
+}
+
+/// `x` and `out` as f32, which every product but the bf16 GEMM takes.
+fn f32_activations<'a, T: Element>(
+    x: &'a [T],
+    out: &'a mut [T],
+) -> Result<(&'a [f32], &'a mut [f32]), KernelError> {
+    match (as_f32(x), as_f32_mut(out)) {
+        (Some(x), Some(out)) => Ok((x, out)),
+        _ => {
+            let limit = "float32 activations for a quantized or float32 weight".to_string();
+            Err(KernelError::Param { name: "activations", limit, value: "bfloat16".into() })
+        }
     }
 }
 
