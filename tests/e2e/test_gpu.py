@@ -16,6 +16,7 @@ import pytest
 import torch
 import transformers
 from helpers.checkpoints import checkpoint_with_tokenizer
+from helpers.logprobs_close import check_logprobs_close, top_logprobs
 
 from ferrollm import LLM, SamplingParams
 from ferrollm.config import CompilationConfig
@@ -98,13 +99,9 @@ def test_bf16_logprobs_are_close_to_transformers_on_the_same_gpu(checkpoints, ki
                                                            attn_implementation="eager").cuda().eval()
     compared = 0
     for p, out in zip(prompts(), ours):
-        hf_tokens, hf_tops = hf_top_logprobs(hf, p["prompt_token_ids"], MAX_TOKENS, 5)
-        for j, (a, b) in enumerate(zip(out.token_ids, hf_tokens)):
-            top = {t: lp.logprob for t, lp in out.logprobs[j].items()}
-            if a != b:
-                assert a in hf_tops[j] and b in top, f"prompt {len(p['prompt_token_ids'])}, token {j}: {a} vs {b}"
-                break
-            compared += 1
+        theirs = hf_top_logprobs(hf, p["prompt_token_ids"], MAX_TOKENS, 5)
+        compared += check_logprobs_close((out.token_ids, top_logprobs(out)), theirs,
+                                         f"prompt {len(p['prompt_token_ids'])}")
     assert compared >= len(ours)
 
 

@@ -21,6 +21,7 @@ import torch
 import transformers
 from helpers.checkpoints import add_tokenizer
 from helpers.engine_driver import TINY
+from helpers.logprobs_close import check_logprobs_close, top_logprobs
 from helpers.quant_checkpoints import write_awq, write_compressed_tensors, write_fp8, write_gptq
 
 from ferrollm import LLM, SamplingParams
@@ -91,19 +92,10 @@ def generate(folder, **kw):
 
 
 def assert_logprobs_close(ours, theirs, tol: float | None) -> int:
-    """vLLM's `check_logprobs_close`, and equal tokens' log-probabilities within ``tol`` where it
-    is given; returns how many tokens were equal."""
-    compared = 0
-    for i, (a, b) in enumerate(zip(ours, theirs, strict=True)):
-        for j, (x, y) in enumerate(zip(a.token_ids, b.token_ids, strict=True)):
-            top_a = {t: lp.logprob for t, lp in a.logprobs[j].items()}
-            top_b = {t: lp.logprob for t, lp in b.logprobs[j].items()}
-            if x != y:
-                assert x in top_b and y in top_a, f"prompt {i}, token {j}: {x} vs {y}"
-                break
-            assert tol is None or abs(top_a[x] - top_b[y]) < tol, f"prompt {i}, token {j}: {top_a[x]} vs {top_b[y]}"
-            compared += 1
-    return compared
+    """`check_logprobs_close` over each request's completion; returns how many tokens were equal."""
+    return sum(check_logprobs_close((a.token_ids, top_logprobs(a)), (b.token_ids, top_logprobs(b)),
+                                    f"prompt {i}", tol)
+               for i, (a, b) in enumerate(zip(ours, theirs, strict=True)))
 
 
 @pytest.mark.parametrize("name", sorted(CHECKPOINTS))

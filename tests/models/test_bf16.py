@@ -16,6 +16,7 @@ from ferrollm.kernels import cpu as cpu_kernels
 from ferrollm.model_executor.layers.cpu_weights import PackedBf16Weight
 from helpers.checkpoints import add_tokenizer
 from helpers.engine_driver import build_checkpoint, load_ferrollm_model
+from helpers.logprobs_close import check_logprobs_close, top_logprobs
 
 torch.set_num_threads(2)
 
@@ -51,14 +52,6 @@ def _hf_greedy_top(hf_model, prompt: list[int]) -> tuple[list[int], list[dict[in
     return seq[len(prompt):], tops
 
 
-def check_logprobs_close(ours: tuple[list[int], list[dict]], theirs: tuple[list[int], list[dict]], what: str) -> None:
-    """vLLM's rule: equal tokens up to the first difference, where each token is in the other's top-k."""
-    for i, (a, b) in enumerate(zip(ours[0], theirs[0])):
-        if a != b:
-            assert a in theirs[1][i] and b in ours[1][i], f"{what}: position {i}: {a} vs {b}, not a near tie"
-            return
-
-
 @needs_kernels
 @pytest.mark.parametrize("gemm", ["native", "portable"])
 def test_a_bf16_checkpoint_runs_bf16_close_to_transformers(bf16_checkpoint, gemm, monkeypatch, caplog):
@@ -73,7 +66,7 @@ def test_a_bf16_checkpoint_runs_bf16_close_to_transformers(bf16_checkpoint, gemm
     assert "dtype='auto' resolved to bfloat16 on the CPU: the checkpoint is bf16" in caplog.text
     for prompt, out in zip(prompts, outs):
         c = out.outputs[0]
-        ours = (c.token_ids, [{t: lp.logprob for t, lp in entry.items()} for entry in c.logprobs])
+        ours = (c.token_ids, top_logprobs(c))
         check_logprobs_close(ours, _hf_greedy_top(hf_model, prompt), f"prompt of {len(prompt)}")
 
 
