@@ -260,18 +260,11 @@ fn f32_packed_weights_match_the_recompute() {
 #[test]
 fn bf16_weights_with_f32_activations_match_the_recompute() {
     let stack = [weights_exact_in_bf16(10), weights_exact_in_bf16(20)];
-    let packed: Vec<[Vec<Bf16>; 4]> =
-        stack.iter().map(|w| [&w.qkv, &w.o, &w.gate_up, &w.down].map(Int8::packed_bf16)).collect();
+    let packed = packed_bf16(&stack);
     let layers: Vec<DecoderLayer<'_>> = stack
         .iter()
         .zip(&packed)
-        .map(|(w, p)| DecoderLayer {
-            qkv: bf16_linear(&p[0], &w.qkv),
-            o: bf16_linear(&p[1], &w.o),
-            gate_up: bf16_linear(&p[2], &w.gate_up),
-            down: bf16_linear(&p[3], &w.down),
-            ..layer(w)
-        })
+        .map(|(w, p)| bf16_layer(w, p, [&w.norms[0], &w.norms[1]], &w.bias))
         .collect();
     run_steps(&stack, &layers, cos_sin(), |v| v, 1e-3);
 }
@@ -283,23 +276,14 @@ fn bf16_weights_with_f32_activations_match_the_recompute() {
 #[test]
 fn bf16_decode_steps_match_the_recompute_within_bf16_rounding() {
     let stack = [weights_exact_in_bf16(10), weights_exact_in_bf16(20)];
-    let packed: Vec<[Vec<Bf16>; 4]> =
-        stack.iter().map(|w| [&w.qkv, &w.o, &w.gate_up, &w.down].map(Int8::packed_bf16)).collect();
+    let packed = packed_bf16(&stack);
     let halves: Vec<(Vec<Bf16>, Vec<Bf16>, Vec<Bf16>)> =
         stack.iter().map(|w| (bf16s(&w.norms[0]), bf16s(&w.norms[1]), bf16s(&w.bias))).collect();
     let layers: Vec<DecoderLayer<'_, Bf16>> = stack
         .iter()
         .zip(&packed)
         .zip(&halves)
-        .map(|((w, p), (n0, n1, b))| DecoderLayer {
-            input_norm: n0,
-            post_attention_norm: n1,
-            qkv: bf16_linear(&p[0], &w.qkv),
-            qkv_bias: Some(b),
-            o: bf16_linear(&p[1], &w.o),
-            gate_up: bf16_linear(&p[2], &w.gate_up),
-            down: bf16_linear(&p[3], &w.down),
-        })
+        .map(|((w, p), (n0, n1, b))| bf16_layer(w, p, [n0, n1], b))
         .collect();
     let table: Vec<f32> = cos_sin().into_iter().map(to_bf16).collect();
     run_steps(&stack, &layers, table, to_bf16, 5e-2);
@@ -313,13 +297,37 @@ fn bf16_linear<'a>(packed: &'a [Bf16], w: &Int8) -> Linear<'a> {
     Linear::Bf16 { packed, out_features: w.out, in_features: w.inp, kernel: Bf16Kernel::best() }
 }
 
+/// Each layer's four weights packed for the bf16 GEMM: qkv, o, gate_up, down.
+fn packed_bf16(stack: &[Weights]) -> Vec<[Vec<Bf16>; 4]> {
+    stack.iter().map(|w| [&w.qkv, &w.o, &w.gate_up, &w.down].map(Int8::packed_bf16)).collect()
+}
+
+/// A layer of `w`'s weights as `packed` ([`packed_bf16`]) holds them, with `norms` and `bias`
+/// in the activations' element type.
+fn bf16_layer<'a, T>(
+    w: &Weights,
+    packed: &'a [Vec<Bf16>; 4],
+    norms: [&'a [T]; 2],
+    bias: &'a [T],
+) -> DecoderLayer<'a, T> {
+    DecoderLayer {
+        input_norm: norms[0],
+        post_attention_norm: norms[1],
+        qkv: bf16_linear(&packed[0], &w.qkv),
+        qkv_bias: Some(bias),
+        o: bf16_linear(&packed[1], &w.o),
+        gate_up: bf16_linear(&packed[2], &w.gate_up),
+        down: bf16_linear(&packed[3], &w.down),
+    }
+}
+
 fn bf16s(x: &[f32]) -> Vec<Bf16> {
     x.iter().map(|&v| Bf16::from_f32(v)).collect()
 }
 
 /// Seven decode steps of two requests through `layers` (the stack of `stack`'s weights in `T`),
-/// each request's outputs against [`reference`] over its whole sequence, within `tol` relative
-/// (and absolute). `round` is what the embeddings and the rotary table pass through into `T`.
+/// each request's outputs against [`reference`] over its whole sequence, within `tol` (see
+/// [`assert_close`]). `round` is what the embeddings and the rotary table pass through into `T`.
 fn run_steps<T: SimdElement + std::fmt::Debug>(
     stack: &[Weights],
     layers: &[DecoderLayer<'_, T>],
