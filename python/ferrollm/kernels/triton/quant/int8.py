@@ -6,7 +6,9 @@ per token, or a static per-tensor scale with a zero point); the matmul subtracts
 ``zp * sum_k qw[n, k]``, summed from the same weight tiles, instead of widening the operands.
 
 The int32 sum is exact while it fits: ``in_features <= 65536`` keeps ``255 * 128 * in`` below
-``2**31``. It becomes float32 once, at the end, rounded to nearest like the reference's.
+``2**31``. It becomes float32 once, at the end, rounded to nearest like the reference's; split
+over K at decode (see :mod:`._split_k`), each split's exact sum becomes float32 once and the
+splits add in float32.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from ferrollm.kernels.triton.quant._common import (
     matmul_grid,
     output_like,
 )
+from ferrollm.kernels.triton.quant._split_k import new_partials, reduce_split_k, split_k_for, split_k_range, store_tile
 from ferrollm.kernels.triton.quant.activations import scaled_int8_quant, scaled_int8_quant_ref
 
 __all__ = ["w8a8_linear", "w8a8_linear_ref"]
@@ -32,9 +35,9 @@ _BLOCK_K = 128  # bytes of K per tile; 128 won the H100 sweep at 2048 rows (see 
 
 
 @triton.jit
-def _w8a8_kernel(out_ptr, qx_ptr, sx_ptr, qw_ptr, sw_ptr, bias_ptr, zero_point,
+def _w8a8_kernel(out_ptr, partials_ptr, qx_ptr, sx_ptr, qw_ptr, sw_ptr, bias_ptr, zero_point,
                  M, N, K, stride_xm, stride_sx, stride_qn, stride_om,
-                 HAS_ZP: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 HAS_ZP: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -43,7 +46,8 @@ def _w8a8_kernel(out_ptr, qx_ptr, sx_ptr, qw_ptr, sw_ptr, bias_ptr, zero_point,
     w_cols = qw_ptr + offs_n.to(tl.int64)[None, :] * stride_qn
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.int32)
     col_sums = tl.zeros([BLOCK_N], tl.int32)
-    for k0 in range(0, K, BLOCK_K):
+    k_lo, k_hi = split_k_range(K, BLOCK_K)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mask_k = offs_k < K
         a = tl.load(x_rows + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0)
@@ -52,14 +56,13 @@ def _w8a8_kernel(out_ptr, qx_ptr, sx_ptr, qw_ptr, sw_ptr, bias_ptr, zero_point,
         if HAS_ZP:
             col_sums += tl.sum(b.to(tl.int32), axis=0)
     if HAS_ZP:
+        # The column sums cover this split's K range only, so the splits' corrections add up
+        # to the whole one, applied once.
         acc -= zero_point * col_sums[None, :]
     s_x = tl.load(sx_ptr + offs_m * stride_sx, mask=mask_m, other=0.0)
     s_w = tl.load(sw_ptr + offs_n, mask=mask_n, other=0.0)
-    y = acc.to(tl.float32) * s_x[:, None] * s_w[None, :]
-    if HAS_BIAS:
-        y += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-    out = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
-    tl.store(out, y.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+    y = acc.to(tl.float32) * s_x[:, None] * s_w[None, :]  # scales are linear: each split scales its own
+    store_tile(out_ptr, partials_ptr, bias_ptr, y, offs_m, offs_n, M, N, stride_om, HAS_BIAS, SPLIT)
 
 
 def _check(x: torch.Tensor, qweight: torch.Tensor, weight_scale: torch.Tensor) -> None:
@@ -74,7 +77,7 @@ def _check(x: torch.Tensor, qweight: torch.Tensor, weight_scale: torch.Tensor) -
 
 def w8a8_linear(x: torch.Tensor, qweight: torch.Tensor, weight_scale: torch.Tensor,
                 bias: torch.Tensor | None = None, input_scale: torch.Tensor | None = None,
-                input_zero_point: int = 0) -> torch.Tensor:
+                input_zero_point: int = 0, *, split_k: int | None = None) -> torch.Tensor:
     """``x @ W.T + bias`` with int8 weights and int8-quantized activations.
 
     Args:
@@ -85,6 +88,8 @@ def w8a8_linear(x: torch.Tensor, qweight: torch.Tensor, weight_scale: torch.Tens
         input_scale: ``None`` quantizes ``x`` per token, symmetric, at run time; else the static
             per-tensor scale (one element).
         input_zero_point: the static scale's zero point in [-128, 127] (asymmetric activations).
+        split_k: K ranges to split the product into (at most one per K tile); ``None`` splits
+            decode batches that would leave SMs idle (see :mod:`._split_k`).
 
     Returns:
         ``[..., out]`` in ``x``'s dtype.
@@ -99,13 +104,18 @@ def w8a8_linear(x: torch.Tensor, qweight: torch.Tensor, weight_scale: torch.Tens
     qx, s_x = scaled_int8_quant(rows, input_scale, input_zero_point)
     zero_point = input_zero_point if input_scale is not None else 0
     config = launch_config(rows.shape[0], _BLOCK_K)
-    _w8a8_kernel[matmul_grid(rows.shape[0], out_features, config)](
-        out_rows, qx, s_x, qweight, weight_scale, weight_scale if bias is None else bias, zero_point,
+    num_splits = split_k_for(split_k, rows.shape[0], out_features, in_features, _BLOCK_K, x.device)
+    partials = new_partials(num_splits, rows.shape[0], out_features, x.device)
+    _w8a8_kernel[(*matmul_grid(rows.shape[0], out_features, config), num_splits)](
+        out_rows, out_rows if partials is None else partials, qx, s_x, qweight, weight_scale,
+        weight_scale if bias is None else bias, zero_point,
         rows.shape[0], out_features, in_features, qx.stride(0), 1 if input_scale is None else 0,
         qweight.stride(0), out_rows.stride(0),
-        HAS_ZP=zero_point != 0, HAS_BIAS=bias is not None,
+        HAS_ZP=zero_point != 0, HAS_BIAS=bias is not None, SPLIT=partials is not None,
         **config,
     )
+    if partials is not None:
+        reduce_split_k(partials, out_rows, bias)
     return out
 
 
