@@ -9,7 +9,8 @@ tile; each ``BLOCK_K`` tile is promoted to the float32 accumulator.
 
 Scales are applied where they change: per-tile factors (block weight scales, activation group
 scales) multiply each tile's float32 partial sum; per-tensor and per-channel ones multiply the
-result once. A K tile never straddles a scale block.
+result once (per K split at decode, see :mod:`._split_k`; they are linear). A K tile never
+straddles a scale block, nor does a split, which holds whole tiles.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from ferrollm.kernels.triton.quant._common import (
     matmul_grid,
     output_like,
 )
+from ferrollm.kernels.triton.quant._split_k import new_partials, reduce_split_k, split_k_for, split_k_range, store_tile
 from ferrollm.kernels.triton.quant.activations import scaled_fp8_quant, scaled_fp8_quant_ref
 
 __all__ = ["fp8_linear", "fp8_linear_ref", "has_fp8_dot"]
@@ -55,11 +57,11 @@ def _dot_tile(a, w, acc, A_FP8: tl.constexpr, FP8_DOT: tl.constexpr, PRECISION: 
 
 
 @triton.jit
-def _fp8_linear_kernel(out_ptr, a_ptr, sa_ptr, w_ptr, sw_ptr, bias_ptr,
+def _fp8_linear_kernel(out_ptr, partials_ptr, a_ptr, sa_ptr, w_ptr, sw_ptr, bias_ptr,
                        M, N, K, scale_block_n, scale_block_k,
                        stride_am, stride_sam, stride_wn, stride_swn, stride_om,
                        A_FP8: tl.constexpr, A_GROUP: tl.constexpr, W_BLOCK: tl.constexpr,
-                       HAS_BIAS: tl.constexpr, FP8_DOT: tl.constexpr, PRECISION: tl.constexpr,
+                       HAS_BIAS: tl.constexpr, FP8_DOT: tl.constexpr, PRECISION: tl.constexpr, SPLIT: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -67,7 +69,8 @@ def _fp8_linear_kernel(out_ptr, a_ptr, sa_ptr, w_ptr, sw_ptr, bias_ptr,
     a_rows = a_ptr + offs_m.to(tl.int64)[:, None] * stride_am
     w_cols = w_ptr + offs_n.to(tl.int64)[None, :] * stride_wn
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k_lo, k_hi = split_k_range(K, BLOCK_K)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mask_k = offs_k < K
         a = tl.load(a_rows + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0)
@@ -87,10 +90,7 @@ def _fp8_linear_kernel(out_ptr, a_ptr, sa_ptr, w_ptr, sw_ptr, bias_ptr,
         acc *= tl.load(sa_ptr)
     if not W_BLOCK:
         acc *= tl.load(sw_ptr + offs_n * stride_swn, mask=mask_n, other=0.0)[None, :]
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-    out = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+    store_tile(out_ptr, partials_ptr, bias_ptr, acc, offs_m, offs_n, M, N, stride_om, HAS_BIAS, SPLIT)
 
 
 def has_fp8_dot(device: torch.device) -> bool:
@@ -150,7 +150,7 @@ def _quantize_input(rows: torch.Tensor, input_quant: str, input_scale: torch.Ten
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                bias: torch.Tensor | None = None, block_size: tuple[int, int] | None = None,
                input_quant: str = "tensor", input_scale: torch.Tensor | None = None, *,
-               fp8_dot: bool | None = None) -> torch.Tensor:
+               fp8_dot: bool | None = None, split_k: int | None = None) -> torch.Tensor:
     """``x @ W.T + bias`` with a float8 e4m3fn weight.
 
     Args:
@@ -164,6 +164,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
             ``"static"`` (``input_scale``), ``"group"`` (dynamic per token and ``bi`` columns).
         input_scale: the static per-tensor activation scale.
         fp8_dot: use float8 tensor cores; ``None`` decides from ``x``'s device.
+        split_k: K ranges to split the product into (at most one per K tile); ``None`` splits
+            decode batches that would leave SMs idle (see :mod:`._split_k`).
 
     Returns:
         ``[..., out]`` in ``x``'s dtype.
@@ -182,14 +184,19 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     # The float8 MMA takes K in steps of 32; narrower tiles take the decoding path.
     fp8_dot = (has_fp8_dot(x.device) if fp8_dot is None else fp8_dot) and block_k >= 32
     config = launch_config(rows.shape[0], block_k)
-    _fp8_linear_kernel[matmul_grid(rows.shape[0], out_features, config)](
-        out_rows, a, scales if a_scale is None else a_scale, w, scales, scales if bias is None else bias,
+    num_splits = split_k_for(split_k, rows.shape[0], out_features, in_features, block_k, x.device)
+    partials = new_partials(num_splits, rows.shape[0], out_features, x.device)
+    _fp8_linear_kernel[(*matmul_grid(rows.shape[0], out_features, config), num_splits)](
+        out_rows, out_rows if partials is None else partials, a, scales if a_scale is None else a_scale, w, scales,
+        scales if bias is None else bias,
         rows.shape[0], out_features, in_features, bo, bi,
         a.stride(0), a_scale.stride(0) if input_quant == "group" else 0, w.stride(0), stride_swn, out_rows.stride(0),
         A_FP8=a_scale is not None, A_GROUP=input_quant == "group", W_BLOCK=block_size is not None,
         HAS_BIAS=bias is not None, FP8_DOT=fp8_dot, PRECISION=dot_precision(x.dtype),
-        **config,
+        SPLIT=partials is not None, **config,
     )
+    if partials is not None:
+        reduce_split_k(partials, out_rows, bias)
     return out
 
 

@@ -11,7 +11,8 @@ Layouts: ``bits=4``: uint8 ``[out, in / 2]``, input ``k`` in byte ``k // 2``, th
 even ``k``, codes 0..15; ``bits=8``: int8 ``[out, in]``, codes -128..127.
 
 Costs: reads each weight byte once per ``BLOCK_M`` rows of ``x``; a decode batch (one tile of
-rows) reads the packed weight once.
+rows) reads the packed weight once, split over K when its column tiles alone would leave SMs
+idle (see :mod:`._split_k`; the splits hold whole tiles, so each still lies in one group).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from ferrollm.kernels.triton.quant._common import (
     matmul_grid,
     output_like,
 )
+from ferrollm.kernels.triton.quant._split_k import new_partials, reduce_split_k, split_k_for, split_k_range, store_tile
 
 __all__ = ["wq_linear", "wq_linear_ref"]
 
@@ -51,10 +53,10 @@ def _load_codes(qw_ptr, stride_qn, offs_n, mask_n, k0, K, BITS: tl.constexpr, BL
 
 
 @triton.jit
-def _wq_linear_kernel(out_ptr, x_ptr, qw_ptr, scales_ptr, mins_ptr, bias_ptr,
+def _wq_linear_kernel(out_ptr, partials_ptr, x_ptr, qw_ptr, scales_ptr, mins_ptr, bias_ptr,
                       M, N, K, group_size, stride_xm, stride_qn, stride_sn, stride_om,
                       BITS: tl.constexpr, HAS_MINS: tl.constexpr, HAS_BIAS: tl.constexpr,
-                      PRECISION: tl.constexpr,
+                      PRECISION: tl.constexpr, SPLIT: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -64,7 +66,8 @@ def _wq_linear_kernel(out_ptr, x_ptr, qw_ptr, scales_ptr, mins_ptr, bias_ptr,
     qw_ptr += (tl.program_id(1) * BLOCK_N).to(tl.int64) * stride_qn  # 64-bit row offset once
     local_n = tl.arange(0, BLOCK_N)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k_lo, k_hi = split_k_range(K, BLOCK_K)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_rows + offs_k[None, :], mask=mask_m[:, None] & (offs_k < K)[None, :], other=0.0)
         codes = _load_codes(qw_ptr, stride_qn, local_n, mask_n, k0, K, BITS, BLOCK_K)
@@ -75,10 +78,7 @@ def _wq_linear_kernel(out_ptr, x_ptr, qw_ptr, scales_ptr, mins_ptr, bias_ptr,
         if HAS_MINS:
             low = tl.load(mins_ptr + scale_rows + group, mask=mask_n, other=0.0)
             acc += tl.sum(x.to(tl.float32), axis=1)[:, None] * low[None, :]
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-    out = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+    store_tile(out_ptr, partials_ptr, bias_ptr, acc, offs_m, offs_n, M, N, stride_om, HAS_BIAS, SPLIT)
 
 
 def _check_groups(in_features: int, group_size: int) -> None:
@@ -100,7 +100,8 @@ def _check_scales(scales: torch.Tensor, mins: torch.Tensor | None, shape: tuple[
 
 
 def wq_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
-              bits: int, group_size: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+              bits: int, group_size: int, bias: torch.Tensor | None = None, *,
+              split_k: int | None = None) -> torch.Tensor:
     """``x @ W.T + bias`` for a weight stored as int4 or int8 codes with float32 group scales.
 
     Args:
@@ -113,6 +114,8 @@ def wq_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins
         bits: 4 or 8.
         group_size: inputs per scale: ``in``, or a multiple of 16 dividing ``in``.
         bias: ``None`` or ``[out]``.
+        split_k: K ranges to split the product into (at most one per K tile); ``None`` splits
+            decode batches that would leave SMs idle (see :mod:`._split_k`).
 
     Returns:
         ``[..., out]`` in ``x``'s dtype, accumulated in float32 and rounded once.
@@ -134,13 +137,18 @@ def wq_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins
     else:
         block_k = block_k_within(group_size)
     config = launch_config(rows.shape[0], block_k)
-    _wq_linear_kernel[matmul_grid(rows.shape[0], out_features, config)](
-        out_rows, rows, qweight, scales, scales if mins is None else mins, scales if bias is None else bias,
+    num_splits = split_k_for(split_k, rows.shape[0], out_features, in_features, block_k, x.device)
+    partials = new_partials(num_splits, rows.shape[0], out_features, x.device)
+    _wq_linear_kernel[(*matmul_grid(rows.shape[0], out_features, config), num_splits)](
+        out_rows, out_rows if partials is None else partials, rows, qweight, scales,
+        scales if mins is None else mins, scales if bias is None else bias,
         rows.shape[0], out_features, in_features, group_size, rows.stride(0), qweight.stride(0),
         scales.stride(0), out_rows.stride(0),
         BITS=bits, HAS_MINS=mins is not None, HAS_BIAS=bias is not None, PRECISION=dot_precision(x.dtype),
-        **config,
+        SPLIT=partials is not None, **config,
     )
+    if partials is not None:
+        reduce_split_k(partials, out_rows, bias)
     return out
 
 
