@@ -30,6 +30,7 @@ from ferrollm.kernels.triton import (
     wq_linear,
     wq_linear_ref,
 )
+from ferrollm.kernels.triton.quant._split_k import choose_split_k, num_sms, split_k_for
 
 torch.set_num_threads(1)
 
@@ -220,6 +221,90 @@ def test_fp8_linear_agrees_with_torch_scaled_mm(weight_scale):
     assert_matmul_close(fp8_linear(x, weight, scale), want)
 
 
+# --- split-K at decode ----------------------------------------------------------------------
+
+# 1 runs the unsplit kernel; the odd splits divide neither K nor its number of tiles.
+SPLITS = [1, 2, 3, 5, 7]
+DECODE_ROWS = [1, 2, 3, 4]
+# (in_features, group_size): 7 tiles of 32, one group each; 5 groups of 128; one group (GPTQ's
+# group_size -1) of 400 in 4 tiles of 128, the last masked.
+SPLIT_GROUPS = [(224, 32), (640, 128), (400, 400)]
+
+
+@pytest.mark.parametrize("split_k", SPLITS)
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("in_features,group_size", SPLIT_GROUPS)
+def test_wq_linear_split_k_matches_reference(split_k, bits, in_features, group_size):
+    case = SPLITS.index(split_k) + 5 * SPLIT_GROUPS.index((in_features, group_size)) + bits
+    rows, dtype, with_mins, with_bias = DECODE_ROWS[case % 4], DTYPES[case % 3], case % 2 == 0, case % 4 < 2
+    out_features = 67  # two N tiles, the second partial
+    x = randn(rows, in_features, dtype=dtype, seed=case)
+    qweight = (int4_weight if bits == 4 else int8_weight)(out_features, in_features, seed=case)
+    num_groups = in_features // group_size
+    scales = torch.rand(out_features, num_groups, generator=torch.Generator().manual_seed(case)) * 0.1
+    mins = randn(out_features, num_groups, seed=case + 1) if with_mins else None
+    bias = randn(out_features, dtype=dtype, seed=case + 2) if with_bias else None
+    out = wq_linear(x, qweight, scales, mins, bits, group_size, bias, split_k=split_k)
+    assert_matmul_close(out, wq_linear_ref(x, qweight, scales, mins, bits, group_size, bias))
+
+
+@pytest.mark.parametrize("split_k", SPLITS)
+@pytest.mark.parametrize("input_scale,zero_point", [(None, 0), (0.03, 0), (0.04, 6), (0.05, -9)])
+def test_w8a8_linear_split_k_matches_reference(split_k, input_scale, zero_point):
+    # 600 inputs: 5 tiles of 128, the last masked. With a zero point each split subtracts the
+    # column sums of its own range, so a correction applied twice or not at all shows.
+    case = SPLITS.index(split_k) + 2 * (zero_point != 0)
+    rows, dtype, with_bias = DECODE_ROWS[case % 4], DTYPES[case % 3], case % 2 == 1
+    x = randn(rows, 600, dtype=dtype, seed=case) + (0.5 if zero_point else 0.0)
+    qweight = int8_weight(67, 600, seed=case)
+    weight_scale = torch.rand(67, generator=torch.Generator().manual_seed(case)) * 0.01
+    bias = randn(67, dtype=dtype, seed=case + 1) if with_bias else None
+    static = None if input_scale is None else torch.tensor(input_scale)
+    out = w8a8_linear(x, qweight, weight_scale, bias, static, zero_point, split_k=split_k)
+    assert_matmul_close(out, w8a8_linear_ref(x, qweight, weight_scale, bias, static, zero_point))
+
+
+@pytest.mark.parametrize("split_k", SPLITS)
+@pytest.mark.parametrize("kind,block_size,input_quant", FP8_CASES)
+def test_fp8_linear_split_k_matches_reference(split_k, kind, block_size, input_quant):
+    # 400 inputs: 4 tiles of 128 (the last masked), 13 of 32 or 25 of 16 with block scales.
+    case = SPLITS.index(split_k) + FP8_CASES.index((kind, block_size, input_quant))
+    rows, dtype, with_bias = DECODE_ROWS[case % 4], DTYPES[case % 3], case % 2 == 0
+    x = randn(rows, 400, dtype=dtype, seed=case)
+    weight = fp8_weight(67, 400, seed=case)
+    scale = fp8_weight_scale(kind, block_size, 67, 400, seed=case)
+    bias = randn(67, dtype=dtype, seed=case + 1) if with_bias else None
+    static = torch.tensor(0.02) if input_quant == "static" else None
+    args = (x, weight, scale, bias, block_size, input_quant, static)
+    out = fp8_linear(*args, fp8_dot=case % 2 == 1, split_k=split_k)
+    assert_matmul_close(out, fp8_linear_ref(*args))
+
+
+def test_choose_split_k_fills_idle_sms_at_decode_only():
+    # Qwen2.5-3B's o_proj (2048 x 2048) at batch 1 on a 132-SM H200: 32 column tiles, so 4
+    # splits of 4 tiles of 128 fill one wave of 128 programs.
+    assert choose_split_k(1, 2048, 2048, 128, sms=132) == 4
+    assert choose_split_k(4, 256, 2048, 128, sms=132) == 16  # k/v: 4 column tiles, one split per K tile
+    assert choose_split_k(2048, 2048, 2048, 128, sms=132) == 1  # prefill: row tiles fill the GPU
+    assert choose_split_k(64, 2048, 2048, 128, sms=132) == 4  # the largest decode tile still splits
+    assert choose_split_k(1, 22016, 2048, 128, sms=132) == 1  # gate/up: 344 column tiles
+    assert choose_split_k(1, 2048, 2048, 128, sms=48) == 1  # 32 tiles already fill most of 48 SMs
+    for rows in (1, 3, 16, 64):
+        for out_features in (64, 256, 1000, 2048, 4096):
+            split = choose_split_k(rows, out_features, 4096, 128, sms=132)
+            assert split * -(-out_features // 64) <= 132  # never past one wave
+
+
+def test_split_k_is_capped_at_one_range_per_tile_and_checked():
+    cpu = torch.device("cpu")
+    assert split_k_for(3, 1, 67, 600, 128, cpu) == 3
+    assert split_k_for(7, 1, 67, 600, 128, cpu) == 5  # 5 tiles of 128
+    assert split_k_for(None, 1, 67, 600, 128, cpu) == choose_split_k(1, 67, 600, 128, num_sms(cpu))
+    for bad in (0, -2, 2.0):
+        with pytest.raises(ValueError, match="split_k"):
+            w8a8_linear(randn(1, 64), int8_weight(8, 64, seed=0), torch.ones(8), split_k=bad)
+
+
 # --- argument checks ------------------------------------------------------------------------
 
 def test_bad_arguments_are_errors_naming_them():
@@ -288,6 +373,35 @@ def test_gpu_int8_quantizer_and_w8a8(dtype, rows, input_scale, zero_point):
     bias = randn(1000, dtype=dtype, seed=2, device="cuda")
     out = w8a8_linear(x, qweight, weight_scale, bias, static, zero_point)
     assert_matmul_close(out, w8a8_linear_ref(x, qweight, weight_scale, bias, static, zero_point))
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_split_k_decode_captures_in_a_cuda_graph():
+    # Batch 1 against 1000 outputs (16 column tiles): every product splits K on a many-SM GPU.
+    x = randn(1, 4096, dtype=torch.bfloat16, device="cuda")
+    assert choose_split_k(1, 1000, 4096, 128, num_sms(x.device)) > 1
+    bias = randn(1000, dtype=torch.bfloat16, seed=2, device="cuda")
+    q8, s8 = int8_weight(1000, 4096, seed=1, device="cuda"), torch.rand(1000, device="cuda") * 0.01
+    q4, s4 = int4_weight(1000, 4096, seed=1, device="cuda"), torch.rand(1000, 32, device="cuda") * 0.01
+    f8, sf8 = fp8_weight(1000, 4096, seed=1, device="cuda"), torch.rand(1000, device="cuda") * 0.02
+    static = torch.tensor(0.03, device="cuda")
+    products = [
+        (w8a8_linear, w8a8_linear_ref, (q8, s8, bias, static, 5)),
+        (wq_linear, wq_linear_ref, (q4, s4, None, 4, 128, bias)),
+        (fp8_linear, fp8_linear_ref, (f8, sf8, bias)),
+    ]
+    for kernel, _, args in products:  # compile before capturing
+        kernel(x, *args)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = [kernel(x, *args) for kernel, _, args in products]
+    x.copy_(randn(1, 4096, dtype=torch.bfloat16, seed=5, device="cuda"))
+    graph.replay()
+    torch.cuda.synchronize()
+    for out, (_, ref, args) in zip(outs, products):
+        assert_matmul_close(out, ref(x, *args))
 
 
 GPU_FP8_CASES = FP8_CASES[:4] + [("block", (128, 128), "group"), ("block", (128, 128), "none"),
