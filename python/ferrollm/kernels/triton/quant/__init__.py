@@ -6,6 +6,8 @@ quantizers they use, each beside its torch reference.
 - :mod:`.fp8`: :func:`fp8_linear`, float8 e4m3fn weights, float8 tensor cores on sm_89+;
 - :mod:`.activations`: :func:`scaled_int8_quant`, :func:`scaled_fp8_quant`;
 - :mod:`._common`: exact rounding and e4m3 conversion in registers, checks, tile sizes.
+- :mod:`._split_k`: splitting K over more programs at decode, where the column tiles alone
+  leave SMs idle, and the reduction of the partial sums.
 """
 
 from ferrollm.kernels.triton.quant.activations import (
