@@ -1,25 +1,31 @@
 """ferrollm's bf16-weight GEMM (`kernels.cpu.gemm_bf16`) against an f64 reference on odd shapes
 (rows 1 to 9, columns and inputs not multiples of 8, 16 or the 48-wide panel), through the widest
-loop this CPU runs and through the portable loop (`FERROLLM_CPU_GEMM=portable`), which CI runs on
-any CPU. The AVX-512 loops run where the CPU has them (the Rust unit tests cover each)."""
+loop this CPU runs, each picked by `FERROLLM_CPU_GEMM` (the portable one runs on any CPU; AMX and
+AVX512-BF16 where the CPU has them, with the Rust unit tests)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from ferrollm import _core
 from ferrollm.kernels import cpu as cpu_kernels
 from ferrollm.kernels.cpu import gemm_bf16
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.supports(torch.empty(1)), reason="no OpenMP team to join")
 
-SHAPES = [(rows, 13 + 23 * rows, 7 + 10 * rows) for rows in range(1, 10)] + [(2, 1153, 896), (33, 100, 129)]
+SHAPES = [(rows, 13 + 23 * rows, 7 + 10 * rows) for rows in range(1, 10)] + [(2, 1153, 896), (33, 100, 129), (48, 70, 96)]
 
 
-@pytest.fixture(params=["native", "portable"])
+BEST = gemm_bf16.KERNELS.index(_core.cpu_gemm_bf16_kernel())
+
+
+@pytest.fixture(params=gemm_bf16.KERNELS)
 def loop(request, monkeypatch):
-    if request.param == "portable":
-        monkeypatch.setenv("FERROLLM_CPU_GEMM", "portable")
-        assert gemm_bf16.kernel() == "portable"
+    """Each loop this CPU runs, picked as a user would: ``FERROLLM_CPU_GEMM``."""
+    if gemm_bf16.KERNELS.index(request.param) > BEST:
+        pytest.skip(f"this CPU does not run the {request.param} loop")
+    monkeypatch.setenv("FERROLLM_CPU_GEMM", request.param)
+    assert gemm_bf16.kernel() == request.param
     return request.param
 
 

@@ -22,7 +22,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     Ok(())
 }
 
-/// The widest bf16 GEMM kernel this CPU runs: `avx512_bf16`, `avx512`, `avx2` or `portable`.
+/// The widest bf16 GEMM kernel this CPU runs: `amx`, `avx512_bf16`, `avx512`, `avx2` or `portable`.
 #[pyfunction]
 pub fn cpu_gemm_bf16_kernel() -> &'static str {
     Bf16Kernel::best().name()

@@ -5,6 +5,8 @@
 //! output type once.
 //!
 //! Paths ([`Bf16Kernel`], the widest the CPU runs unless asked for another):
+//! - `Amx`: AMX tiles (`tdpbf16ps`), 32 rows × 32 columns of sums per block, for bf16 `x`; the
+//!   rows and `k` short of whole tiles take the `Avx512Bf16` loop (module `amx`).
 //! - `Avx512Bf16`: `vdpbf16ps`, two multiply-adds of bf16 pairs per f32 lane, 8 rows × 48
 //!   columns of accumulators (module `avx512`), for bf16 `x`; f32 `x` takes `Avx512`, so it is
 //!   never rounded.
@@ -15,13 +17,14 @@
 //!   (module `avx2`).
 //! - `Portable`: a plain loop over the same layout, for any CPU and as the tests' yardstick.
 //!
-//! Costs: the weight is half the fp32 GEMM's bytes; `x` is copied once (`rows × in_features`
-//! f32). Rows go by in slabs whose `x` (≤ 4 MB) stays in L3 while every tile of the thread's
+//! Costs: the weight is half the fp32 GEMM's bytes; `x` is read in place where its memory
+//! already has the loop's form (f32 `x` for the widening loops, bf16 `x` for the pair loops,
+//! `in_features` even), else copied once by the team. Rows go by in slabs whose `x` (≤ 4 MB) stays in L3 while every tile of the thread's
 //! columns passes over it; a tile's weights stay in L2 while the slab's row blocks reuse them.
 //! Threads of the OpenMP team take contiguous ranges of 16 output columns.
-//!
-//! AMX tiles are not used yet: on a CPU with AMX the `Avx512Bf16` path runs.
 
+use std::any::TypeId;
+use std::borrow::Cow;
 use std::ops::Range;
 
 use crate::element::Bf16;
@@ -29,6 +32,8 @@ use crate::error::{check_len, KernelError};
 use crate::gemm::{GemmShape, PANEL_WIDTH};
 use crate::{openmp, Element};
 
+#[cfg(target_arch = "x86_64")]
+mod amx;
 #[cfg(target_arch = "x86_64")]
 mod avx2;
 #[cfg(target_arch = "x86_64")]
@@ -52,11 +57,12 @@ pub enum Bf16Kernel {
     Avx2,
     Avx512,
     Avx512Bf16,
+    Amx,
 }
 
 impl Bf16Kernel {
     /// Every kernel, narrowest first.
-    pub const ALL: [Bf16Kernel; 4] = [Self::Portable, Self::Avx2, Self::Avx512, Self::Avx512Bf16];
+    pub const ALL: [Bf16Kernel; 5] = [Self::Portable, Self::Avx2, Self::Avx512, Self::Avx512Bf16, Self::Amx];
 
     /// The widest kernel this CPU runs.
     pub fn best() -> Self {
@@ -70,16 +76,18 @@ impl Bf16Kernel {
             Self::Avx2 => crate::simd::has_avx2_fma(),
             Self::Avx512 => crate::simd::has_avx512f(),
             Self::Avx512Bf16 => has_avx512_bf16(),
+            Self::Amx => has_amx_bf16(),
         }
     }
 
-    /// The kernel's name: `portable`, `avx2`, `avx512`, `avx512_bf16`.
+    /// The kernel's name: `portable`, `avx2`, `avx512`, `avx512_bf16`, `amx`.
     pub fn name(self) -> &'static str {
         match self {
             Self::Portable => "portable",
             Self::Avx2 => "avx2",
             Self::Avx512 => "avx512",
             Self::Avx512Bf16 => "avx512_bf16",
+            Self::Amx => "amx",
         }
     }
 
@@ -94,6 +102,22 @@ fn has_avx512_bf16() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
         crate::simd::has_avx512f() && std::arch::is_x86_feature_detected!("avx512bf16")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// Whether the CPU has AMX's bf16 tiles, this process may use them, and AVX512-BF16 takes the
+/// rows and `k` short of a tile.
+fn has_amx_bf16() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        has_avx512_bf16()
+            && std::arch::is_x86_feature_detected!("avx512bw")
+            && std::arch::is_x86_feature_detected!("avx512vl")
+            && amx::available()
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
@@ -130,17 +154,19 @@ pub fn gemm_bf16<T: Element>(
     if out.is_empty() {
         return Ok(());
     }
-    // `vdpbf16ps` multiplies bf16 pairs: fp32 activations would be rounded to bf16 on the way, so
-    // they take the widening AVX-512F loop and stay exact.
+    // `vdpbf16ps` and the tiles multiply bf16 pairs: fp32 activations would be rounded to bf16 on
+    // the way, so they take the widening AVX-512F loop and stay exact.
     let kernel = match kernel {
-        Bf16Kernel::Avx512Bf16 if std::any::TypeId::of::<T>() == std::any::TypeId::of::<f32>() => {
+        Bf16Kernel::Avx512Bf16 | Bf16Kernel::Amx if TypeId::of::<T>() == TypeId::of::<f32>() => {
             Bf16Kernel::Avx512
         }
         other => other,
     };
     let (xf, xp) = match kernel {
-        Bf16Kernel::Avx512Bf16 => (Vec::new(), bf16_pairs(x, rows, panels)),
-        _ => (widened(x, rows, panels), Vec::new()),
+        Bf16Kernel::Avx512Bf16 | Bf16Kernel::Amx => {
+            (Cow::Borrowed(&[][..]), bf16_pairs(x, rows, panels, threads))
+        }
+        _ => (widened(x, rows, panels, threads), Cow::Borrowed(&[][..])),
     };
     let sink = Sink { out: out.as_mut_ptr(), n: out_features, bias };
     let job = Job { x: &xf, x_pairs: &xp, packed, panels, rows, sink };
@@ -155,26 +181,58 @@ pub fn gemm_bf16<T: Element>(
     Ok(())
 }
 
-/// `x` as f32, each row zero-padded to `2 · pairs` so a panel row's odd half always has its `x`.
-fn widened<T: Element>(x: &[T], rows: usize, panels: PairPanels) -> Vec<f32> {
-    let (k, stride) = (panels.in_features, 2 * panels.pairs);
-    let mut out = vec![0.0; rows * stride];
-    for (dst, src) in out.chunks_exact_mut(stride.max(1)).zip(x.chunks_exact(k.max(1))) {
-        dst.iter_mut().zip(src).for_each(|(d, s)| *d = s.to_f32());
+/// `x` as the widening loops read it: f32, rows `2 · pairs` apart (an odd `in_features` padded
+/// with a zero). f32 `x` with an even `in_features` already is that and is borrowed.
+fn widened<T: Element>(x: &[T], rows: usize, panels: PairPanels, threads: usize) -> Cow<'_, [f32]> {
+    let k = panels.in_features;
+    if TypeId::of::<T>() == TypeId::of::<f32>() && k.is_multiple_of(2) {
+        // SAFETY: `T` is `f32`.
+        return Cow::Borrowed(unsafe { std::slice::from_raw_parts(x.as_ptr().cast(), x.len()) });
     }
-    out
+    Cow::Owned(copied_rows(x, rows, k, 2 * panels.pairs, threads, |row, dst: &mut [f32]| {
+        dst.iter_mut().zip(row).for_each(|(d, s)| *d = s.to_f32());
+    }))
 }
 
-/// `x` rounded to bf16, two neighbours per 32-bit word as the packed weight holds them.
-fn bf16_pairs<T: Element>(x: &[T], rows: usize, panels: PairPanels) -> Vec<u32> {
+/// `x` rounded to bf16, two neighbours per 32-bit word as the packed weight holds them, rows
+/// `pairs` words apart. bf16 `x` with an even `in_features`, 4-byte aligned, already is that
+/// and is borrowed.
+fn bf16_pairs<T: Element>(x: &[T], rows: usize, panels: PairPanels, threads: usize) -> Cow<'_, [u32]> {
     let (k, pairs) = (panels.in_features, panels.pairs);
-    let bits = |row: &[T], i: usize| row.get(i).map_or(0, |v| u32::from(Bf16::from_f32(v.to_f32()).0));
-    let mut out = vec![0; rows * pairs];
-    for (dst, src) in out.chunks_exact_mut(pairs.max(1)).zip(x.chunks_exact(k.max(1))) {
-        for (p, word) in dst.iter_mut().enumerate() {
-            *word = bits(src, 2 * p) | bits(src, 2 * p + 1) << 16;
-        }
+    if TypeId::of::<T>() == TypeId::of::<Bf16>()
+        && k.is_multiple_of(2)
+        && x.as_ptr().cast::<u32>().is_aligned()
+    {
+        // SAFETY: `T` is `Bf16` (two bytes, no padding); the words are aligned and lie in `x`.
+        return Cow::Borrowed(unsafe { std::slice::from_raw_parts(x.as_ptr().cast(), x.len() / 2) });
     }
+    let bits = |row: &[T], i: usize| row.get(i).map_or(0, |v| u32::from(Bf16::from_f32(v.to_f32()).0));
+    Cow::Owned(copied_rows(x, rows, k, pairs, threads, |row, dst: &mut [u32]| {
+        for (p, word) in dst.iter_mut().enumerate() {
+            *word = bits(row, 2 * p) | bits(row, 2 * p + 1) << 16;
+        }
+    }))
+}
+
+/// `rows` rows of `width` values (zeroed, then `fill(x row, out row)`), the team taking a share of
+/// the rows each: a copy of a prefill slab's `x` costs as much as a fair part of its product.
+fn copied_rows<T: Element, U: Copy + Default + Send>(
+    x: &[T],
+    rows: usize,
+    k: usize,
+    width: usize,
+    threads: usize,
+    fill: impl Fn(&[T], &mut [U]) + Sync,
+) -> Vec<U> {
+    let mut out = vec![U::default(); rows * width];
+    let dst = openmp::SharedMut(out.as_mut_ptr());
+    openmp::parallel(threads.clamp(1, rows.max(1)), |thread, team| {
+        for r in openmp::share(rows, thread, team) {
+            // SAFETY: row `r` of `out` (`width` values) belongs to this thread alone.
+            let row = unsafe { std::slice::from_raw_parts_mut(dst.get().add(r * width), width) };
+            fill(&x[r * k..(r + 1) * k], row);
+        }
+    });
     out
 }
 
@@ -235,6 +293,8 @@ impl<T: Element> Job<'_, T> {
             Bf16Kernel::Avx512 => avx512::run(self, cols),
             #[cfg(target_arch = "x86_64")]
             Bf16Kernel::Avx512Bf16 => avx512::run_dot(self, cols),
+            #[cfg(target_arch = "x86_64")]
+            Bf16Kernel::Amx => amx::run(self, cols),
             _ => self.run_portable(cols),
         }
     }

@@ -2,9 +2,10 @@
 
 The weight is bf16, packed once by :func:`pack` / :func:`pack_rows` into panels of column pairs;
 ``x``, ``bias`` and the output are fp32 or bf16, and every product is summed in fp32. The kernel is
-the widest this CPU runs (:func:`kernel`: AVX512-BF16 ``vdpbf16ps``, AVX-512F or AVX2 widening
-bf16 in registers, else a plain loop); ``FERROLLM_CPU_GEMM=portable`` forces the plain loop, so
-tests cover it on any CPU.
+the widest this CPU runs (:func:`kernel`: AMX tiles, AVX512-BF16 ``vdpbf16ps``, AVX-512F or AVX2
+widening bf16 in registers, else a plain loop); ``FERROLLM_CPU_GEMM=portable`` forces the plain
+loop, so tests cover it on any CPU, and ``FERROLLM_CPU_GEMM`` naming another kernel this CPU runs
+picks that one (benchmarks compare them).
 """
 
 from __future__ import annotations
@@ -16,13 +17,18 @@ import torch
 from ferrollm import _core
 from ferrollm.kernels import cpu as _cpu
 
-__all__ = ["kernel", "linear", "pack", "pack_rows", "packed_len", "rows", "supported", "unpack"]
+__all__ = ["KERNELS", "kernel", "linear", "pack", "pack_rows", "packed_len", "rows", "supported", "unpack"]
+
+#: The loops, narrowest first; a CPU runs a prefix of them up to :func:`kernel`'s best.
+KERNELS = ("portable", "avx2", "avx512", "avx512_bf16", "amx")
 
 
 def kernel() -> str:
-    """The loop :func:`linear` runs: ``avx512_bf16``, ``avx512``, ``avx2`` or ``portable``."""
-    if os.environ.get("FERROLLM_CPU_GEMM") == "portable":
-        return "portable"
+    """The loop :func:`linear` runs: ``amx``, ``avx512_bf16``, ``avx512``, ``avx2`` or ``portable``
+    (``FERROLLM_CPU_GEMM`` when it names one of them; the Rust core refuses one this CPU lacks)."""
+    asked = os.environ.get("FERROLLM_CPU_GEMM")
+    if asked in KERNELS:
+        return asked
     return _core.cpu_gemm_bf16_kernel()
 
 
@@ -73,14 +79,15 @@ def rows(packed: torch.Tensor, out_features: int, in_features: int, ids: torch.T
     return _cpu.panel_rows(packed, out_features, pairs, 2, ids)[..., :in_features]
 
 
-def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int,
+           loop: str | None = None) -> torch.Tensor:
     """``x @ weight.T + bias`` for ``x`` (``[rows, in]``, fp32 or bf16) and ``packed`` from
     :func:`pack` of ``weight``, summed in fp32 and rounded once to ``x``'s dtype, on torch's
-    threads."""
+    threads, by the loop ``loop`` names (one of :data:`KERNELS`; :func:`kernel`'s by default)."""
     x = x.contiguous()
     rows, in_features = x.shape
     out = x.new_empty((rows, out_features))
     bias = None if bias is None else bias.to(x.dtype).contiguous()
     _core.cpu_gemm_bf16(_cpu._NAMES[x.dtype], _cpu._buf(x), _cpu._buf(packed), None if bias is None else _cpu._buf(bias),
-                        _cpu._buf(out), rows, out_features, in_features, kernel(), _cpu._threads())
+                        _cpu._buf(out), rows, out_features, in_features, loop or kernel(), _cpu._threads())
     return out

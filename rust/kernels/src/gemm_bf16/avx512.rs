@@ -6,8 +6,8 @@
 //! - [`run_dot`] (AVX512-BF16): `vdpbf16ps` with the broadcast bf16 pair of `x`, both products
 //!   in one instruction.
 //!
-//! Neither has run on the AVX2-only machine this was written on; the unit tests run them where
-//! the CPU has the instructions.
+//! The unit tests run each where the CPU has its instructions (`run_dot` first ran on an
+//! AMX-capable Xeon lent with a GPU: `benches/gpu_run.sh cpu`).
 
 use std::arch::x86_64::*;
 use std::ops::Range;
@@ -116,18 +116,68 @@ pub(super) unsafe fn run_dot<T: Element>(job: &Job<'_, T>, cols: Range<usize>) {
 unsafe fn run_with<M: PanelRow, T: Element>(job: &Job<'_, T>, cols: Range<usize>) {
     for slab in job.slabs(M::x_row_bytes(job), ROWS) {
         for tile in job.tiles(cols.clone(), PANEL_WIDTH) {
-            for r0 in slab.clone().step_by(ROWS) {
-                match (slab.end - r0).min(ROWS) {
-                    8 => by_vectors::<M, 8, T>(job, tile, r0),
-                    7 => by_vectors::<M, 7, T>(job, tile, r0),
-                    6 => by_vectors::<M, 6, T>(job, tile, r0),
-                    5 => by_vectors::<M, 5, T>(job, tile, r0),
-                    4 => by_vectors::<M, 4, T>(job, tile, r0),
-                    3 => by_vectors::<M, 3, T>(job, tile, r0),
-                    2 => by_vectors::<M, 2, T>(job, tile, r0),
-                    _ => by_vectors::<M, 1, T>(job, tile, r0),
-                }
+            by_rows::<M, T>(job, tile, slab.clone());
+        }
+    }
+}
+
+/// The `vdpbf16ps` loop over `rows` of one tile: the rows the AMX path leaves over.
+///
+/// # Safety
+/// As [`run_dot`], inlined into a function that enables its instructions.
+#[inline(always)]
+pub(super) unsafe fn dot_rows<T: Element>(job: &Job<'_, T>, tile: Tile, rows: Range<usize>) {
+    by_rows::<Dot, T>(job, tile, rows);
+}
+
+#[inline(always)]
+unsafe fn by_rows<M: PanelRow, T: Element>(job: &Job<'_, T>, tile: Tile, rows: Range<usize>) {
+    for r0 in rows.clone().step_by(ROWS) {
+        match (rows.end - r0).min(ROWS) {
+            8 => by_vectors::<M, 8, T>(job, tile, r0),
+            7 => by_vectors::<M, 7, T>(job, tile, r0),
+            6 => by_vectors::<M, 6, T>(job, tile, r0),
+            5 => by_vectors::<M, 5, T>(job, tile, r0),
+            4 => by_vectors::<M, 4, T>(job, tile, r0),
+            3 => by_vectors::<M, 3, T>(job, tile, r0),
+            2 => by_vectors::<M, 2, T>(job, tile, r0),
+            _ => by_vectors::<M, 1, T>(job, tile, r0),
+        }
+    }
+}
+
+/// Adds panel rows `pairs` of the tile's first `vectors` × 16 columns, times rows
+/// `r0..r0 + sums.len()` of `x`, to `sums`: the `k` that the AMX path's whole steps of 32 leave
+/// over.
+///
+/// # Safety
+/// As [`run_dot`], inlined into a function that enables its instructions; `N ≥ 16 · vectors`.
+#[inline(always)]
+pub(super) unsafe fn dot_tail<const N: usize, T: Element>(
+    job: &Job<'_, T>,
+    tile: Tile,
+    r0: usize,
+    vectors: usize,
+    pairs: Range<usize>,
+    sums: &mut [[f32; N]],
+) {
+    if pairs.is_empty() {
+        return;
+    }
+    let x = job.x_pairs.as_ptr().add(r0 * job.panels.pairs);
+    for (r, row) in sums.iter_mut().enumerate() {
+        for v in 0..vectors {
+            let mut acc = _mm512_loadu_ps(row.as_ptr().add(v * LANES));
+            for p in pairs.clone() {
+                let w = _mm512_loadu_si512(tile.words.add(p * tile.stride + v * LANES).cast());
+                let pair = _mm512_set1_epi32(*x.add(r * job.panels.pairs + p) as i32);
+                acc = _mm512_dpbf16_ps(
+                    acc,
+                    std::mem::transmute::<__m512i, __m512bh>(w),
+                    std::mem::transmute::<__m512i, __m512bh>(pair),
+                );
             }
+            _mm512_storeu_ps(row.as_mut_ptr().add(v * LANES), acc);
         }
     }
 }

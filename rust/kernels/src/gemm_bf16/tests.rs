@@ -72,6 +72,36 @@ fn bf16_activations_in_and_out_round_the_f32_sum_once() {
 }
 
 #[test]
+fn bf16_activations_through_whole_tiles_and_what_they_leave_over() {
+    // Rows around the AMX path's 16-row tiles and 32-row blocks; k around its steps of 32 (pairs
+    // of 16) with and without a remainder; columns across the 48-wide panels, partial vectors.
+    let cases = [
+        (16, 48, 32),
+        (17, 47, 33),
+        (31, 100, 64),
+        (32, 16, 95),
+        (33, 130, 896),
+        (48, 1153, 64),
+        (70, 96, 2),
+    ];
+    for kernel in kernels_here() {
+        for (rows, n, k) in cases {
+            let shape = GemmShape { rows, out_features: n, in_features: k };
+            // `x` read in place (an even k, 4-byte aligned) and copied (one element along).
+            let held = bf16s(rows * k + 1, 10);
+            let (w, b) = (bf16s(n * k, 11), bf16s(n, 12));
+            for (x, threads) in [(&held[..rows * k], 1), (&held[1..], 2)] {
+                let want = reference(&widen(x), &w, Some(&widen(&b)), shape);
+                let mut out = vec![Bf16(0xffff); rows * n];
+                gemm_bf16(x, &packed(&w, n, k), Some(&b), &mut out, shape, kernel, threads).unwrap();
+                let what = format!("{kernel:?} {shape:?} threads {threads}");
+                assert_close(&widen(&out), &want, k, 1.0 / 256.0, &what);
+            }
+        }
+    }
+}
+
+#[test]
 fn the_kernels_agree_with_the_portable_loop_on_a_qwen2_shape() {
     let shape = GemmShape { rows: 13, out_features: 1152, in_features: 896 };
     let (x, w) = (values(13 * 896, 8), bf16s(1152 * 896, 9));
@@ -108,6 +138,18 @@ fn refuses_buffers_that_do_not_fit_and_kernels_the_cpu_lacks() {
     if let Some(missing) = Bf16Kernel::ALL.into_iter().find(|k| !k.runs_here()) {
         let err = gemm_bf16(&[0.0; 12], &[Bf16(0); 128], None, &mut out, shape, missing, 1).unwrap_err();
         assert!(err.to_string().contains("`kernel` must be one this CPU runs"), "{err}");
+    }
+}
+
+#[test]
+fn the_tiles_run_where_the_cpu_reports_amx() {
+    // Linux lists `amx_bf16` among the CPU's flags only where the kernel enabled it, so there the
+    // tile state must have been granted and the AMX loop must be the widest.
+    let flags = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    if flags.split_whitespace().any(|f| f == "amx_bf16")
+        && flags.split_whitespace().any(|f| f == "avx512_bf16")
+    {
+        assert_eq!(Bf16Kernel::best(), Bf16Kernel::Amx);
     }
 }
 
