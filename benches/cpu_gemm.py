@@ -8,11 +8,13 @@ freed memory as in the engine (`worker/cpu_allocator.py`): without it, an output
 
 ``--dtype bfloat16`` compares ferrollm's bf16 GEMM (`kernels.cpu.gemm_bf16`, bf16 activations)
 with torch's bf16 `F.linear` on the plain weight, oneDNN's blocked bf16 GEMM where oneDNN runs
-bf16 (AVX512-BF16, AMX), and oneDNN's fp32 GEMM on the same values. ``--clock cpu`` times with
+bf16 (AVX512-BF16, AMX), and oneDNN's fp32 GEMM on the same values; ``--bf16-loops amx,avx512_bf16``
+adds a row for each of ferrollm's bf16 loops named (those the CPU runs). ``--clock cpu`` times with
 the process's CPU time instead of the wall clock: on a shared, loaded machine that leaves out the
 time other processes held the cores (meaningful with ``--threads 1``).
 
     python benches/cpu_gemm.py [--rows 2,8,32,64] [--threads 2] [--dtype bfloat16] [--layers 24]
+                               [--bf16-loops amx,avx512_bf16,avx512]
 """
 
 from __future__ import annotations
@@ -42,9 +44,9 @@ def _ferrollm(weight: torch.Tensor):
     return lambda x: cpu_kernels.gemm(x, packed, None, weight.shape[0])
 
 
-def _ferrollm_bf16(weight: torch.Tensor):
+def _ferrollm_bf16(weight: torch.Tensor, loop: str | None = None):
     packed = gemm_bf16.pack(weight.bfloat16())
-    return lambda x: gemm_bf16.linear(x, packed, None, weight.shape[0])
+    return lambda x: gemm_bf16.linear(x, packed, None, weight.shape[0], loop)
 
 
 def _torch_bf16(weight: torch.Tensor):
@@ -57,12 +59,16 @@ def _onednn_fp32(weight: torch.Tensor):
     return lambda x: product(x.float())
 
 
-def _engines(dtype: torch.dtype) -> dict:
+def _engines(dtype: torch.dtype, bf16_loops: list[str]) -> dict:
     if dtype == torch.float32:
         if not cpu_kernels.gemm_supported(torch.empty(1, 1)):
             raise SystemExit("ferrollm's fp32 GEMM does not run here (it needs AVX-512 and torch's OpenMP team)")
         return {"ferrollm": _ferrollm, "onednn": _onednn}
     engines = {"ferrollm": _ferrollm_bf16, "torch": _torch_bf16}
+    best = gemm_bf16.KERNELS.index(gemm_bf16.kernel())
+    for loop in bf16_loops:
+        if gemm_bf16.KERNELS.index(loop) <= best:
+            engines[f"f-{loop}"] = lambda w, loop=loop: _ferrollm_bf16(w, loop)
     if torch.ops.mkldnn._is_mkldnn_bf16_supported():
         engines["onednn"] = lambda w: _onednn(w.bfloat16())
     engines["onednn-f32"] = _onednn_fp32
@@ -102,13 +108,14 @@ def main() -> None:
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--layers", type=int, default=LAYERS)
     parser.add_argument("--clock", choices=["wall", "cpu"], default="wall")
+    parser.add_argument("--bf16-loops", default="", help="ferrollm bf16 loops to time each, e.g. amx,avx512_bf16")
     args = parser.parse_args()
     global CLOCK
     CLOCK = time.process_time if args.clock == "cpu" else time.perf_counter
     torch.set_num_threads(args.threads)
     keep_freed_memory()
     dtype = getattr(torch, args.dtype)
-    engines = _engines(dtype)
+    engines = _engines(dtype, [loop for loop in args.bf16_loops.split(",") if loop])
     if dtype == torch.bfloat16:
         print(f"ferrollm's bf16 kernel here: {gemm_bf16.kernel()}; loadavg {os.getloadavg()}")
     # bf16 values throughout, so every engine multiplies the same numbers.
@@ -118,14 +125,14 @@ def main() -> None:
     heads = {name: make(head) for name, make in engines.items()}
     layer_flops = 2 * args.layers * sum(n * k for n, k in LAYER_SHAPES)
     head_flops = 2 * LM_HEAD[0] * LM_HEAD[1]
-    print(f"{'rows':>5} {'engine':>10} {'layers ms':>10} {'GFLOP/s':>8} {'LM head ms':>11} {'GFLOP/s':>8}")
+    print(f"{'rows':>5} {'engine':>14} {'layers ms':>10} {'GFLOP/s':>8} {'LM head ms':>11} {'GFLOP/s':>8}")
     for rows in (int(r) for r in args.rows.split(",")):
         xs = [torch.randn(rows, k).to(dtype) for _, k in LAYER_SHAPES]
         x_head = torch.randn(rows, LM_HEAD[1]).to(dtype)
         for name in engines:
             step = _step_seconds(layers[name], xs)
             lm = _lm_head_seconds(heads[name], x_head)
-            print(f"{rows:>5} {name:>10} {step * 1e3:>10.1f} {rows * layer_flops / step / 1e9:>8.0f} "
+            print(f"{rows:>5} {name:>14} {step * 1e3:>10.1f} {rows * layer_flops / step / 1e9:>8.0f} "
                   f"{lm * 1e3:>11.1f} {rows * head_flops / lm / 1e9:>8.0f}")
 
 

@@ -9,6 +9,9 @@
 #   bash benches/gpu_run.sh models     # quantized and multimodal models on cuda
 #   bash benches/gpu_run.sh kernels-quant  # the quantized Triton kernels against their references
 #   bash benches/gpu_run.sh quant      # gpu_quant.py: quantized against bf16, 0.5B and 3B shapes
+#   bash benches/gpu_run.sh cpu        # the host CPU's bf16/AMX flags, and the Rust kernel tests on it
+#                                      # (.devbin/kernels-tests: `cargo test -p ferrollm-kernels
+#                                      # --release --no-run`'s binary, copied there; it needs no Rust)
 #
 # Several modes run one after the other: `bash benches/gpu_run.sh models quant`.
 # Optional: wheels of missing pure-Python packages in .gpuwhl/ are installed to /tmp/site first.
@@ -71,7 +74,20 @@ quant)
     step gpu_quant 110 $PY benches/gpu_quant.py --bench-dir $BENCH --variants bf16,fp8,int8,rtn4,ct-w4a16 \
         --out "$OUT/gpu_quant.json"
     ;;
+cpu)
+    # The machine lending the GPU has a larger CPU, often with AVX512-BF16 and AMX, which the
+    # development machine lacks: the bf16 GEMM's native paths are tested here.
+    { grep -m1 'model name' /proc/cpuinfo; nproc
+      grep -m1 -o -w -E 'avx512_bf16|amx_bf16|amx_tile|avx512_vnni' /proc/cpuinfo | sort -u | tr '\n' ' '; echo
+    } | tee "$OUT/cpu.txt"
+    step cpu_kernels 240 .devbin/kernels-tests --test-threads 8
+    step cpu_gemm_bf16 150 $PY benches/cpu_gemm.py --dtype bfloat16 --rows 1,32,128 --threads "$(nproc)" --layers 4 \
+        --bf16-loops amx,avx512_bf16
+    # CUDA hidden: on this machine the engine's device="auto" would pick the GPU.
+    CUDA_VISIBLE_DEVICES= step cpu_bf16_tests 200 $PY -m pytest -q tests/kernels/test_gemm_bf16.py tests/models/test_bf16.py \
+        tests/e2e/test_cpu_decoder.py -p no:cacheprovider -rfE
+    ;;
 *)
-    echo "unknown mode $MODE (tests, bench, nanovllm, models, kernels-quant, quant)"; exit 2 ;;
+    echo "unknown mode $MODE (tests, bench, nanovllm, models, kernels-quant, quant, cpu)"; exit 2 ;;
 esac
 done
