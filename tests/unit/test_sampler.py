@@ -48,6 +48,18 @@ def test_greedy_takes_the_argmax(logits):
     assert out.sampled_token_ids.dtype == torch.int64 and out.logprobs is None
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_greedy_sample_is_torchs_argmax_ties_and_nans_included(dtype):
+    logits = torch.randn(4, 300, generator=torch.Generator().manual_seed(3))
+    logits[1, 5] = logits[1, 250] = 50.0  # a tie: the first wins
+    logits[2, 7] = logits[2, 9] = float("nan")  # NaN counts as the largest: the first NaN
+    logits = logits.to(dtype)
+    for view in (logits, logits[:, ::3], logits.T.contiguous().T):
+        got = ops.greedy_sample(view)
+        assert got.dtype == torch.int64 and torch.equal(got, view.argmax(dim=-1))
+    assert ops.greedy_sample(logits).tolist()[1:3] == [5, 7]
+
+
 def test_greedy_rows_stay_greedy_in_a_mixed_batch(logits):
     temps = np.array([0.0, 1.5, 0.0, 1.5, 0.0, 1.5])
     meta = make_meta(6, 40, temperature=temps, top_k=5)

@@ -116,7 +116,7 @@ class Sampler:
     @staticmethod
     def _sample(logits: torch.Tensor, meta: SamplingMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """The sampled tokens, and the logits they were drawn from (after the filters)."""
-        greedy = None if meta.all_random else logits.argmax(dim=-1)
+        greedy = None if meta.all_random else ops.greedy_sample(logits)
         if meta.all_greedy:
             return greedy, logits  # type: ignore[return-value]
         # Greedy rows divide by 1 so they stay finite; their draw is discarded below.

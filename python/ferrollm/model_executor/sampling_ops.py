@@ -120,6 +120,18 @@ def apply_top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None, max_k: int,
     return torch.empty_like(logits).scatter_(1, order, ordered)
 
 
+def greedy_sample(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax (the first of equal maxima; a NaN counts as the largest, as in torch).
+
+    On the CPU, NumPy's argmax takes it: torch's ran at ~2 GB/s, 0.28 ms for one row of Qwen2's
+    151,936 logits (2% of a quantized batch-1 decode step), NumPy's at 11 µs. bf16 (which NumPy
+    lacks) and GPU logits keep torch's.
+    """
+    if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64):
+        return torch.from_numpy(logits.numpy().argmax(axis=-1))
+    return logits.argmax(dim=-1)
+
+
 def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
     """Draws one token per row: argmax(probs / q) with q ~ Exp(1) picks token i with
     probability probs[i], and needs no cumulative sum.
