@@ -86,6 +86,28 @@ def test_paged_decode_matches_the_torch_path(dtype, rows, window, cap):
     torch.testing.assert_close(got, want, **TOL[dtype])
 
 
+@pytest.mark.parametrize("heads", [(9, 3, 64), (14, 2, 64), (4, 1, 64)])
+def test_a_lone_request_shares_its_kv_heads_over_the_team_as_one_thread_does(heads):
+    # Fewer requests than threads: the team takes KV heads (3 over 2 threads: a share ends
+    # between heads), each with its query heads; the same sums as one thread, bit for bit.
+    query, k, v, cache, step, _ = build_case([(150, 1)], 16, *heads, torch.float32, 11)
+    meta = AttentionMetadata.from_step(step, block_size=16)
+    cpu_backend.write_kv(k, v, cache, meta.slot_mapping)
+    args = (query, cache, meta.block_tables, meta.seq_lens, heads[2] ** -0.5)
+    team = max(2, torch.get_num_threads())
+    try:
+        torch.set_num_threads(1)
+        one = cpu_kernels.paged_decode(*args)
+        torch.set_num_threads(team)
+        shared = cpu_kernels.paged_decode(*args)
+    finally:
+        torch.set_num_threads(team)
+    assert torch.equal(shared, one)
+    want = cpu_backend._decode_torch(query, cache, meta.block_tables, meta.seq_lens, meta.max_seq_len,
+                                     (heads[2] ** -0.5, None, None))
+    torch.testing.assert_close(shared, want, **TOL[torch.float32])
+
+
 # (num_heads, num_kv_heads, head_dim): groups of 7 and 8 (one value pass of up to 7 heads, then
 # the rest), one head per KV head, head sizes of 3 and 5 vectors, and one the intrinsics kernels
 # leave to the portable one (not a multiple of 16). `rust/kernels` tests each kernel on its own.

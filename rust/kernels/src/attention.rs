@@ -67,15 +67,22 @@ pub struct DecodeInputs<'a, T, C = T> {
     pub seq_lens: &'a [i32],
 }
 
-/// Requests per thread, at least: a batch-1 step runs on the calling thread, where its ~20 us of
-/// work costs less than waking the team.
+/// Requests per thread, at least, when threads take whole requests.
 const MIN_ROWS_PER_THREAD: usize = 1;
+
+/// Context tokens a step's requests must see in all before fewer requests than threads share
+/// their KV heads out: below it the ~1.5 us of waking the team costs more than it saves.
+/// Measured on the 2-core Xeon VM, SmolLM2 at batch 1 (3 KV heads, ~150 tokens): attention
+/// ran on one core for ~10% of a decode step while the other waited.
+const MIN_TOKENS_TO_SPLIT_HEADS: usize = 32;
 
 /// Writes `out[row, head]`, the attention of each row's query over its first `seq_lens[row]`
 /// cached tokens (`out`: `[rows, num_heads, head_dim]`), split over up to `threads`. Threads
 /// take whole requests, all KV heads of one together: a token's keys for every head sit side by
 /// side, so a request's blocks are read front to back. Shares are of equal context length
-/// rather than of equal request count, since a step's contexts can differ tenfold.
+/// rather than of equal request count, since a step's contexts can differ tenfold. With fewer
+/// requests than threads (batch-1 decode), threads take KV heads instead, each with the query
+/// heads it serves.
 pub fn paged_decode<T: SimdElement, C: SimdElement>(
     inputs: DecodeInputs<'_, T, C>,
     shape: DecodeShape,
@@ -84,15 +91,45 @@ pub fn paged_decode<T: SimdElement, C: SimdElement>(
     threads: usize,
 ) -> Result<(), KernelError> {
     validate(&inputs, &shape, &options, out.len())?;
-    let row_len = shape.num_heads * shape.head_dim;
     let costs: Vec<usize> =
         inputs.seq_lens.iter().map(|&len| visible(len as usize, &options).len()).collect();
+    if costs.len() < threads && costs.iter().sum::<usize>() >= MIN_TOKENS_TO_SPLIT_HEADS {
+        split_heads(&inputs, &shape, &options, &costs, out, threads);
+        return Ok(());
+    }
+    let row_len = shape.num_heads * shape.head_dim;
     for_each_weighted_share(out, row_len, &costs, MIN_ROWS_PER_THREAD, threads, |rows, out| {
         for (row, out) in rows.zip(out.chunks_exact_mut(row_len)) {
             attend(&Unit::new(&inputs, &shape, &options, row), options.soft_cap, out);
         }
     });
     Ok(())
+}
+
+/// [`paged_decode`]'s work in units of one request's KV head (its query heads' outputs lie side
+/// by side in `out`), shares of equal context length; a thread's share may end inside a request.
+fn split_heads<T: SimdElement, C: SimdElement>(
+    inputs: &DecodeInputs<'_, T, C>,
+    shape: &DecodeShape,
+    options: &DecodeOptions,
+    costs: &[usize],
+    out: &mut [T],
+    threads: usize,
+) {
+    let kv_heads = shape.num_kv_heads;
+    let head_len = shape.num_heads / kv_heads * shape.head_dim;
+    let head_costs: Vec<usize> = costs.iter().flat_map(|&c| std::iter::repeat_n(c, kv_heads)).collect();
+    for_each_weighted_share(out, head_len, &head_costs, 1, threads, |units, mut out| {
+        let mut unit = units.start;
+        while unit < units.end {
+            let (row, first) = (unit / kv_heads, unit % kv_heads);
+            let last = (units.end - row * kv_heads).min(kv_heads);
+            let (piece, rest) = out.split_at_mut((last - first) * head_len);
+            let heads = Unit::new(inputs, shape, options, row).kv_heads_only(first..last);
+            attend(&heads, options.soft_cap, piece);
+            (out, unit) = (rest, row * kv_heads + last);
+        }
+    });
 }
 
 /// The context positions a query at the end of `seq_len` tokens sees.
@@ -146,6 +183,21 @@ impl<'a, C: SimdElement> Unit<'a, C> {
             kv_heads,
             group,
             dim,
+        }
+    }
+}
+
+impl<C> Unit<'_, C> {
+    /// This request's KV heads `heads` alone, with the query heads they serve: inside a token's
+    /// slot the heads' keys (and values) sit side by side, so the slots move along by the heads
+    /// left out and the kernels run unchanged.
+    fn kv_heads_only(self, heads: std::ops::Range<usize>) -> Self {
+        let (skip, head_len) = (heads.start * self.dim, self.group * self.dim);
+        Unit {
+            query: self.query[heads.start * head_len..heads.end * head_len].to_vec(),
+            slots: self.slots.iter().map(|s| s + skip).collect(),
+            kv_heads: heads.len(),
+            ..self
         }
     }
 }
@@ -450,6 +502,28 @@ mod tests {
         let mut out = vec![0.0; case.query.len()];
         let err = paged_decode(inputs, case.shape, options(16, None, None), &mut out, 1).unwrap_err();
         assert!(matches!(err, KernelError::Value { name: "v_scale", .. }), "{err:?}");
+    }
+
+    #[test]
+    fn fewer_requests_than_threads_share_out_their_kv_heads_as_one_thread_does() {
+        // 1 request of 3 KV heads on 2 threads (a thread's share ends mid-request), 2 requests on
+        // 3 and 4 threads, 1 request with one KV head; and one too short to split.
+        for (heads, kv_heads, lens, threads) in [
+            (9, 3, vec![150], 2),
+            (14, 2, vec![200, 33], 3),
+            (14, 2, vec![40, 90], 4),
+            (4, 1, vec![100], 2),
+            (9, 3, vec![20], 2),
+        ] {
+            let case = Case::new(heads, kv_heads, 64, &lens);
+            let opts = options(64, None, None);
+            let mut one = vec![0.0; case.query.len()];
+            paged_decode(case.inputs(), case.shape, opts, &mut one, 1).unwrap();
+            let mut split = vec![f32::NAN; case.query.len()];
+            paged_decode(case.inputs(), case.shape, opts, &mut split, threads).unwrap();
+            assert_eq!(split, one, "{heads}/{kv_heads} heads, lens {lens:?}, {threads} threads");
+            assert_near(&split, &case.reference(&opts), "paged_decode");
+        }
     }
 
     #[test]
