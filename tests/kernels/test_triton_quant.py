@@ -123,15 +123,23 @@ GROUPS = [(128, 16), (128, 32), (96, 48), (128, 64), (80, 80)]
 def test_wq_linear_matches_dequantize_then_matmul(bits, in_features, group_size, with_mins):
     case = GROUPS.index((in_features, group_size)) + 2 * with_mins + (bits == 8)
     rows, dtype, with_bias = ROWS[case % 4], DTYPES[case % 3], case % 2 == 0
-    out_features = 70  # two N tiles, the second partial
+    # two N tiles, the second partial
+    x, qweight, scales, mins, bias = _wq_operands(case, rows, 70, in_features, group_size, bits, dtype,
+                                                  with_mins, with_bias)
+    out = wq_linear(x, qweight, scales, mins, bits, group_size, bias)
+    assert_matmul_close(out, wq_linear_ref(x, qweight, scales, mins, bits, group_size, bias))
+
+
+def _wq_operands(case, rows, out_features, in_features, group_size, bits, dtype, with_mins, with_bias):
+    """x, the packed weight, its group scales (and mins) and a bias for a weight-only case, all
+    drawn from seeds derived from `case`."""
     x = randn(rows, in_features, dtype=dtype, seed=case)
     qweight = (int4_weight if bits == 4 else int8_weight)(out_features, in_features, seed=case)
     num_groups = in_features // group_size
     scales = torch.rand(out_features, num_groups, generator=torch.Generator().manual_seed(case)) * 0.1
     mins = randn(out_features, num_groups, seed=case + 1) if with_mins else None
     bias = randn(out_features, dtype=dtype, seed=case + 2) if with_bias else None
-    out = wq_linear(x, qweight, scales, mins, bits, group_size, bias)
-    assert_matmul_close(out, wq_linear_ref(x, qweight, scales, mins, bits, group_size, bias))
+    return x, qweight, scales, mins, bias
 
 
 def test_wq_linear_keeps_leading_dimensions_over_several_row_tiles():
@@ -237,13 +245,9 @@ SPLIT_GROUPS = [(224, 32), (640, 128), (400, 400)]
 def test_wq_linear_split_k_matches_reference(split_k, bits, in_features, group_size):
     case = SPLITS.index(split_k) + 5 * SPLIT_GROUPS.index((in_features, group_size)) + bits
     rows, dtype, with_mins, with_bias = DECODE_ROWS[case % 4], DTYPES[case % 3], case % 2 == 0, case % 4 < 2
-    out_features = 67  # two N tiles, the second partial
-    x = randn(rows, in_features, dtype=dtype, seed=case)
-    qweight = (int4_weight if bits == 4 else int8_weight)(out_features, in_features, seed=case)
-    num_groups = in_features // group_size
-    scales = torch.rand(out_features, num_groups, generator=torch.Generator().manual_seed(case)) * 0.1
-    mins = randn(out_features, num_groups, seed=case + 1) if with_mins else None
-    bias = randn(out_features, dtype=dtype, seed=case + 2) if with_bias else None
+    # two N tiles, the second partial
+    x, qweight, scales, mins, bias = _wq_operands(case, rows, 67, in_features, group_size, bits, dtype,
+                                                  with_mins, with_bias)
     out = wq_linear(x, qweight, scales, mins, bits, group_size, bias, split_k=split_k)
     assert_matmul_close(out, wq_linear_ref(x, qweight, scales, mins, bits, group_size, bias))
 
