@@ -30,10 +30,11 @@ def compile_kernels(*args: str) -> list[str]:
 
 def test_all_kernels_compile_for_sm90():
     compiled = compile_kernels("90")
-    # 15 layer and attention launches, 27 quantized ones (matmuls with their quantizer launches).
-    assert len(compiled) == 42, "\n".join(compiled)
+    # 15 layer and attention launches, 36 quantized ones (matmuls with their quantizer launches,
+    # and the split-K sum after each of the 9 decode-shaped matmuls).
+    assert len(compiled) == 51, "\n".join(compiled)
 
 
 def test_quantized_kernels_compile_for_sm80():
     compiled = compile_kernels("--quant", "80")
-    assert len(compiled) == 27, "\n".join(compiled)
+    assert len(compiled) == 36, "\n".join(compiled)
