@@ -43,6 +43,7 @@ __all__ = [
     "cpu_paged_prefill_supported",
     "cpu_rms_norm",
     "cpu_rotary_neox",
+    "cpu_sample_rows",
     "cpu_silu_and_mul",
     "cpu_w8a8_linear",
     "cpu_w8a8_pack",
@@ -483,6 +484,7 @@ def cpu_write_kv_quantized(
     k_scale: float,
     v_scale: float,
 ) -> None: ...
+def cpu_sample_rows(logits: _Buffer, vocab: int, uniforms: _Buffer, out: _Buffer, threads: int) -> None: ...
 
 # GGUF block decoding (`rust/kernels/src/quant.rs`); see `ferrollm.kernels.cpu.gguf`, the caller.
 def cpu_gguf_supported(ggml_type: int) -> bool: ...

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import ferrollm
+from ferrollm.exceptions import KernelError
 from ferrollm.model_executor import sampling_ops as ops
 from ferrollm.model_executor.sampler import Sampler, compute_prompt_logprobs
 from ferrollm.model_executor.sampling_metadata import SamplingMetadata, make_generator
@@ -230,6 +231,25 @@ def test_cpu_draws_across_blocks_follow_the_distribution_and_skip_masked_tokens(
     observed = torch.bincount(draws // (vocab // 10), minlength=10).float()
     chi2 = float(((observed - expected) ** 2 / expected).sum())
     assert chi2 < 27.88, (observed, expected)
+
+
+def test_the_cpu_kernel_draws_what_the_torch_search_draws_from_the_same_numbers():
+    # Both invert the row's cumulative distribution at one seeded uniform number per row: the
+    # kernel from the logits, torch's two-level search from the softmax (the GPU-less fallback).
+    logits = torch.randn(8, 5000, generator=torch.Generator().manual_seed(4)) * 3
+    logits[:, 1::3] = NEG_INF
+    gens = lambda: {r: make_generator(100 + r) for r in range(8)}  # noqa: E731
+    kernel = ops.sample_logits(logits, gens())
+    search = ops.random_sample(logits.softmax(dim=-1), gens())
+    assert kernel.dtype == torch.int64 and torch.equal(kernel, search)
+    assert bool((kernel % 3 != 1).all())
+
+
+def test_the_cpu_kernel_refuses_a_row_with_nothing_to_draw():
+    logits = torch.zeros(2, 10)
+    logits[1] = NEG_INF
+    with pytest.raises(KernelError, match="row 1 has none"):
+        ops.sample_logits(logits, {})
 
 
 def test_logprobs_and_ranks_come_from_the_raw_logits(logits):

@@ -131,7 +131,7 @@ class Sampler:
             if processor.is_argmax_invariant():
                 logits = processor.apply(logits)
         logits = ops.apply_top_k_top_p(logits, meta.top_k, meta.max_top_k, meta.top_p)
-        drawn = ops.random_sample(logits.softmax(dim=-1), meta.generators)
+        drawn = ops.sample_logits(logits, meta.generators)
         if greedy is None:
             return drawn, logits
         return torch.where(meta.temperature < SAMPLING_EPS, greedy, drawn), logits

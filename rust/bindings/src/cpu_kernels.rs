@@ -419,3 +419,21 @@ pub fn cpu_write_kv_quantized(
         py.detach(|| write_kv_quantized(key, value, slots, key_cache, value_cache, shape, scales)).map_err(kernel_error)
     }))
 }
+
+/// `out[r]` (int64), a token drawn from row `r` of `logits` (`[rows, vocab]` float32) with
+/// probability `softmax(logits[r])`, at the uniform number `uniforms[r]` (float64, in [0, 1)).
+#[pyfunction]
+pub fn cpu_sample_rows(
+    py: Python<'_>,
+    logits: Buffer,
+    vocab: usize,
+    uniforms: Buffer,
+    out: Buffer,
+    threads: usize,
+) -> PyResult<()> {
+    // SAFETY: see the module doc; `out` is a fresh tensor.
+    let (logits, uniforms, out) =
+        unsafe { (view::<f32>(logits), view::<f64>(uniforms), view_mut::<i64>(out)) };
+    py.detach(|| ferrollm_kernels::sample::sample_rows(logits, vocab, uniforms, out, threads))
+        .map_err(kernel_error)
+}

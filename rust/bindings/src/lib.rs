@@ -45,6 +45,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cpu_kernels::cpu_rms_norm, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_kernels::cpu_silu_and_mul, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_kernels::cpu_rotary_neox, m)?)?;
+    m.add_function(wrap_pyfunction!(cpu_kernels::cpu_sample_rows, m)?)?;
     m.add_function(wrap_pyfunction!(gguf::cpu_gguf_supported, m)?)?;
     m.add_function(wrap_pyfunction!(gguf::cpu_gguf_dequantize, m)?)?;
     quant_kernels::register(m)?;

@@ -50,6 +50,7 @@ mod paged;
 pub mod prefill;
 pub mod quant;
 pub mod rotary;
+pub mod sample;
 mod simd;
 #[cfg(test)]
 mod test_support;

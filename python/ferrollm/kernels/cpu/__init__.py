@@ -34,7 +34,7 @@ from ferrollm.exceptions import KernelError
 __all__ = ["GEMV_MAX_ROWS", "fused_add_rms_norm", "gemm", "gemm_pack", "gemm_pack_rows", "gemm_packed_len", "gemm_silu_mul",
            "gemm_rows", "gemm_supported", "gemm_unpack", "gemv",
            "gemv_supported", "paged_decode", "paged_decode_supported", "paged_prefill", "paged_prefill_supported",
-           "rms_norm", "rotary_neox", "rotary_supported", "silu_and_mul",
+           "rms_norm", "rotary_neox", "rotary_supported", "sample_rows", "silu_and_mul",
            "supports", "write_kv", "write_kv_supported"]
 
 # The kernel's limit (`gemv::MAX_ROWS`): from three rows on, oneDNN's blocked GEMM is as fast.
@@ -398,4 +398,16 @@ def paged_prefill(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torc
     _core.cpu_paged_prefill(_NAMES[query.dtype], _buf(query), _buf(kv_cache[0]), _buf(kv_cache[1]), _buf(table),
                             _buf(out), query.shape[1], kv_heads, head_dim, block_size, query.shape[0], num_computed,
                             scale, _threads(), sliding_window)
+    return out
+
+
+def sample_rows(logits: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """One token per row of ``logits`` (``[rows, vocab]`` fp32), drawn with probability
+    ``softmax(logits[r])`` by the inverse of the row's cumulative distribution at ``uniforms[r]``
+    (float64 in [0, 1)); a ``-inf`` logit has no mass. Int64 ``[rows]``. Call only where
+    :func:`supports` takes ``logits``."""
+    logits = logits.contiguous()
+    uniforms = uniforms.to(torch.float64).contiguous()
+    out = torch.empty(logits.shape[0], dtype=torch.int64)
+    _core.cpu_sample_rows(_buf(logits), logits.shape[1], _buf(uniforms), _buf(out), _threads())
     return out
