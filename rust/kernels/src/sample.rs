@@ -128,7 +128,7 @@ fn draw_in(row: &[f32], u: f64) -> Option<usize> {
 /// `exp(logit - max)`, and exactly 0 for `-inf` (the fast `exp` would give ~1e-38) and NaN.
 #[inline(always)]
 fn weight(logit: f32, max: f32) -> f32 {
-    // Taken whatever the logit, then selected: a branch around `exp` kept the loop scalar.
+    // Taken whatever the logit, then selected, so the loop has no branch to vectorize around.
     let e = exp(logit - max);
     if logit > f32::NEG_INFINITY {
         e
