@@ -28,7 +28,7 @@
 use crate::activation::silu_and_mul;
 use crate::attention::{paged_decode, DecodeInputs, DecodeOptions, DecodeShape, KvScales};
 use crate::cache::{write_kv, CacheWriteShape};
-use crate::element::Element;
+use crate::element::{as_f32, as_f32_mut, Element};
 use crate::error::{check_len, KernelError};
 use crate::gemm::{gemm, gemm_silu_mul, GemmShape};
 use crate::gemm_bf16::{gemm_bf16, Bf16Kernel};
@@ -152,17 +152,6 @@ fn f32_activations<'a, T: Element>(
             Err(KernelError::Param { name: "activations", limit, value: "bfloat16".into() })
         }
     }
-}
-
-/// `x` as f32 when `T` is f32.
-fn as_f32<T: Element>(x: &[T]) -> Option<&[f32]> {
-    // SAFETY: `T` is `f32` itself, so the slice is reinterpreted as its own type.
-    (TypeId::of::<T>() == TypeId::of::<f32>()).then(|| unsafe { &*(x as *const [T] as *const [f32]) })
-}
-
-fn as_f32_mut<T: Element>(x: &mut [T]) -> Option<&mut [f32]> {
-    // SAFETY: as `as_f32`.
-    (TypeId::of::<T>() == TypeId::of::<f32>()).then(|| unsafe { &mut *(x as *mut [T] as *mut [f32]) })
 }
 
 /// One decoder layer's weights; norms and bias in the activations' element type.

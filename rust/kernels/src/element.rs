@@ -1,3 +1,5 @@
+use std::any::TypeId;
+
 mod fp8;
 
 pub use fp8::{Fp8E4m3, Fp8E5m2};
@@ -39,6 +41,19 @@ impl Element for Bf16 {
         let rounding = 0x7fff + ((bits >> 16) & 1);
         Bf16((bits.wrapping_add(rounding) >> 16) as u16)
     }
+}
+
+/// `x` as f32 when `T` is f32: kernels that have an f32-only path (or can read f32 `x` in place)
+/// take it without a copy.
+pub(crate) fn as_f32<T: Element>(x: &[T]) -> Option<&[f32]> {
+    // SAFETY: `T` is `f32` itself, so the slice is reinterpreted as its own type.
+    (TypeId::of::<T>() == TypeId::of::<f32>()).then(|| unsafe { &*(x as *const [T] as *const [f32]) })
+}
+
+/// [`as_f32`] for a mutable slice.
+pub(crate) fn as_f32_mut<T: Element>(x: &mut [T]) -> Option<&mut [f32]> {
+    // SAFETY: as `as_f32`.
+    (TypeId::of::<T>() == TypeId::of::<f32>()).then(|| unsafe { &mut *(x as *mut [T] as *mut [f32]) })
 }
 
 /// Rounds `value` to `T` and back: what torch's result holds after an op in `T`.

@@ -19,15 +19,16 @@
 //!
 //! Costs: the weight is half the fp32 GEMM's bytes; `x` is read in place where its memory
 //! already has the loop's form (f32 `x` for the widening loops, bf16 `x` for the pair loops,
-//! `in_features` even), else copied once by the team. Rows go by in slabs whose `x` (≤ 4 MB) stays in L3 while every tile of the thread's
-//! columns passes over it; a tile's weights stay in L2 while the slab's row blocks reuse them.
+//! `in_features` even), else copied once by the team. Rows go by in slabs whose `x` (≤ 4 MB)
+//! stays in L3 while every tile of the thread's columns passes over it; a tile's weights stay in
+//! L2 while the slab's row blocks reuse them.
 //! Threads of the OpenMP team take contiguous ranges of 16 output columns.
 
 use std::any::TypeId;
 use std::borrow::Cow;
 use std::ops::Range;
 
-use crate::element::Bf16;
+use crate::element::{as_f32, Bf16};
 use crate::error::{check_len, KernelError};
 use crate::gemm::{GemmShape, PANEL_WIDTH};
 use crate::{openmp, Element};
@@ -185,9 +186,8 @@ pub fn gemm_bf16<T: Element>(
 /// with a zero). f32 `x` with an even `in_features` already is that and is borrowed.
 fn widened<T: Element>(x: &[T], rows: usize, panels: PairPanels, threads: usize) -> Cow<'_, [f32]> {
     let k = panels.in_features;
-    if TypeId::of::<T>() == TypeId::of::<f32>() && k.is_multiple_of(2) {
-        // SAFETY: `T` is `f32`.
-        return Cow::Borrowed(unsafe { std::slice::from_raw_parts(x.as_ptr().cast(), x.len()) });
+    if let Some(x) = as_f32(x).filter(|_| k.is_multiple_of(2)) {
+        return Cow::Borrowed(x);
     }
     Cow::Owned(copied_rows(x, rows, k, 2 * panels.pairs, threads, |row, dst: &mut [f32]| {
         dst.iter_mut().zip(row).for_each(|(d, s)| *d = s.to_f32());
