@@ -16,8 +16,11 @@
 //! Costs: one pass over `x` (O(rows · in_features)), against the weight's `out_features` times
 //! as many multiply-adds; the rows are quantized once per call.
 
-use crate::element::Element;
+use crate::element::{as_f32, Element};
 use crate::simd::multiversion;
+
+#[cfg(target_arch = "x86_64")]
+mod avx512;
 
 /// Elements per activation block (and per weight sub-block).
 pub const BLOCK: usize = 32;
@@ -53,17 +56,29 @@ impl QuantizedRows {
             sum: vec![0.0; blocks],
             sum16: vec![0; 2 * blocks],
         };
+        #[cfg(target_arch = "x86_64")]
+        if let (Some(x), true) = (as_f32(x), avx512::available()) {
+            // SAFETY: the CPU has the kernel's features; the buffers were sized above.
+            unsafe { avx512::quantize(x, group, &mut rows.q, &mut rows.d, &mut rows.sum, &mut rows.sum16) };
+            return rows;
+        }
+        rows.quantize_portable(x, group);
+        rows
+    }
+
+    /// [`QuantizedRows::new`]'s work in plain Rust (the AVX-512 loop computes the same values
+    /// with the same operations, so the two agree bit for bit).
+    fn quantize_portable<T: Element>(&mut self, x: &[T], group: usize) {
         let per_group = group / BLOCK;
-        let groups = x.chunks_exact(group).zip(rows.q.chunks_exact_mut(group));
-        let scales = rows.d.chunks_exact_mut(per_group).zip(rows.sum.chunks_exact_mut(per_group));
+        let groups = x.chunks_exact(group).zip(self.q.chunks_exact_mut(group));
+        let scales = self.d.chunks_exact_mut(per_group).zip(self.sum.chunks_exact_mut(per_group));
         for ((x, q), (d, sum)) in groups.zip(scales) {
             quantize_group(x, q, d, sum);
         }
-        for (sum, q) in rows.sum16.iter_mut().zip(rows.q.chunks_exact(16)) {
+        for (sum, q) in self.sum16.iter_mut().zip(self.q.chunks_exact(16)) {
             // |Σq| <= 16 · 127 fits in i16.
             *sum = q.iter().map(|&q| i16::from(q)).sum();
         }
-        rows
     }
 
     /// [`QuantizedRows::new`] of `2 · rows` rows: row `2i` quantizes row `i` of `x`, row `2i + 1`
@@ -189,6 +204,25 @@ mod tests {
         assert!(row.d[8..].iter().all(|&d| d == 5.08 / 127.0), "group 1's largest is x[300]");
         assert_eq!((row.q[8], row.q[300], row.q[263]), (127, 127, 5));
         assert_eq!(row.sum[1], row.d[1] * row.q[32..64].iter().map(|&q| i32::from(q)).sum::<i32>() as f32);
+    }
+
+    #[test]
+    fn the_vector_loop_matches_the_portable_one_bit_for_bit() {
+        for (group, in_features) in [(BLOCK, 32), (BLOCK, 96), (BLOCK, 576), (256, 512), (256, 1536)] {
+            let mut x: Vec<f32> = values(3 * in_features, 11)
+                .iter()
+                .enumerate()
+                .map(|(i, v)| v * (1 + i % 13) as f32)
+                .collect();
+            x[..BLOCK].fill(0.0); // a zero block: scale 0, no division
+            x[40] = 0.5 * x[41].abs().max(1e-3) / 127.0 * 255.0; // near a rounding tie
+            let fast = QuantizedRows::new(&x, in_features, group);
+            let mut slow = QuantizedRows::new(&x, in_features, group);
+            slow.quantize_portable(&x, group);
+            assert_eq!((&fast.q, &fast.sum16), (&slow.q, &slow.sum16), "group {group}, {in_features}");
+            let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+            assert_eq!((bits(&fast.d), bits(&fast.sum)), (bits(&slow.d), bits(&slow.sum)));
+        }
     }
 
     #[test]
