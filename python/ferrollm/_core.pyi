@@ -31,6 +31,7 @@ __all__ = [
     "cpu_gemv",
     "cpu_gguf_deinterleave",
     "cpu_gguf_dequantize",
+    "cpu_gguf_embedding",
     "cpu_gguf_interleave",
     "cpu_gguf_interleave_preferred",
     "cpu_gguf_interleaved_len",
@@ -489,6 +490,8 @@ def cpu_sample_rows(logits: _Buffer, vocab: int, uniforms: _Buffer, out: _Buffer
 # GGUF block decoding (`rust/kernels/src/quant.rs`); see `ferrollm.kernels.cpu.gguf`, the caller.
 def cpu_gguf_supported(ggml_type: int) -> bool: ...
 def cpu_gguf_dequantize(ggml_type: int, data: _Buffer, dtype: str, out: _Buffer, threads: int) -> None: ...
+def cpu_gguf_embedding(ggml_type: int, data: _Buffer, row_stride: int, ids: _Buffer, dtype: str, out: _Buffer,
+                       threads: int) -> None: ...
 
 # Quantized linear layers (`rust/kernels/src/quant/`); see `ferrollm.kernels.cpu.quant`, the caller.
 def cpu_wq_int4_packed_len(out_features: int, in_features: int) -> int: ...

@@ -8,7 +8,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
 from ferrollm.exceptions import KernelError
-from ferrollm.kernels.cpu.gguf import dequantize, dequantize_supported
+from ferrollm.kernels.cpu.gguf import dequantize, dequantize_supported, embedding
 
 Q = GGMLQuantizationType
 # Enough blocks that torch's team splits them (the kernel keeps 2048 blocks per thread or more).
@@ -66,3 +66,29 @@ def test_bytes_that_do_not_fill_the_shape_are_refused():
         dequantize(np.zeros(18, np.uint8), Q.Q4_0, (64,))
     with pytest.raises(KernelError, match="C-contiguous uint8"):
         dequantize(np.zeros((2, 36), np.uint8)[:, :18], Q.Q4_0, (2, 32))
+
+
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_K, Q.BF16])
+@pytest.mark.parametrize("count", [1, 200])  # a decode step's row; a prefill's, split over the team
+def test_an_embedding_lookup_decodes_the_rows_asked_for(qtype, count):
+    rng = np.random.default_rng(int(qtype) + count)
+    data = _random_k_blocks(qtype, rng) if qtype in K_SCALES else _stored(
+        rng.standard_normal(SHAPE, dtype=np.float32), qtype)
+    # Rows 1.. of the file's table: a view that starts inside the mapping, as a shard's does.
+    table = torch.from_numpy(np.ascontiguousarray(data))[1:]
+    ids = torch.from_numpy(rng.integers(0, SHAPE[0] - 1, size=(count, 1)))
+    got = embedding(table, qtype, ids, SHAPE[1])
+    want = dequantize(data, qtype, SHAPE)[1:][ids.view(-1)]
+    assert got.shape == (count, 1, SHAPE[1]) and torch.equal(got.view(count, -1), want)
+    half = embedding(table, qtype, ids, SHAPE[1], torch.float16)
+    assert half.dtype == torch.float16 and torch.equal(half, embedding(table, qtype, ids, SHAPE[1]).half())
+
+
+def test_an_embedding_lookup_outside_the_table_is_refused():
+    table = torch.from_numpy(_stored(np.ones((4, 32), np.float32), Q.Q8_0))
+    with pytest.raises(KernelError, match=r"`ids`.*in 0\.\.4.*4"):
+        embedding(table, Q.Q8_0, torch.tensor([4]), 32)
+    with pytest.raises(KernelError, match="row_len"):
+        embedding(table, Q.Q8_0, torch.tensor([0]), 16)
+    with pytest.raises(KernelError, match="stride"):
+        embedding(table.t(), Q.Q8_0, torch.tensor([0]), 32)

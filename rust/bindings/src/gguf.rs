@@ -41,6 +41,45 @@ pub fn cpu_gguf_dequantize(
     }
 }
 
+/// Rows `ids` (`(address, count)` of int64) of a `[rows, row_len]` table of GGML type
+/// `ggml_type` (`data`, row `n` from byte `n · row_stride`), decoded into `out` (`(address,
+/// elements)` of `dtype`, `[count, row_len]`): an embedding lookup from a GGUF file's blocks.
+#[pyfunction]
+#[pyo3(signature = (ggml_type, data, row_stride, ids, dtype, out, threads))]
+#[allow(clippy::too_many_arguments)]
+pub fn cpu_gguf_embedding(
+    py: Python<'_>,
+    ggml_type: u32,
+    data: (usize, usize),
+    row_stride: usize,
+    ids: (usize, usize),
+    dtype: &str,
+    out: (usize, usize),
+    threads: usize,
+) -> PyResult<()> {
+    let Some(ggml_type) = GgmlType::from_id(ggml_type) else {
+        return Err(raise("KernelError", format!("GGML type {ggml_type} has no block decoder")));
+    };
+    fn lookup<T: Element>(
+        py: Python<'_>,
+        t: GgmlType,
+        (data, row_stride, ids): ((usize, usize), usize, (usize, usize)),
+        out: (usize, usize),
+        threads: usize,
+    ) -> PyResult<()> {
+        // SAFETY: as `run`'s buffers; `ids` is a live int64 tensor of that many elements.
+        let (data, ids, out) = unsafe { (view::<u8>(data), view::<i64>(ids), view_mut::<T>(out)) };
+        py.detach(|| quant::dequantize_rows(t, data, row_stride, ids, out, threads)).map_err(kernel_error)
+    }
+    match dtype {
+        "float32" => lookup::<f32>(py, ggml_type, (data, row_stride, ids), out, threads),
+        "bfloat16" => lookup::<Bf16>(py, ggml_type, (data, row_stride, ids), out, threads),
+        other => {
+            Err(raise("KernelError", format!("`dtype` must be 'float32' or 'bfloat16'. Given: '{other}'")))
+        }
+    }
+}
+
 /// One stacked weight of `cpu_gguf_linear` (and the one-call decoder): `(ggml_type, (address,
 /// bytes), row_stride, out_features, interleaved)`.
 pub(crate) type WeightSpec = (u32, (usize, usize), usize, usize, bool);

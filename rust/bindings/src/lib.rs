@@ -48,6 +48,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cpu_kernels::cpu_sample_rows, m)?)?;
     m.add_function(wrap_pyfunction!(gguf::cpu_gguf_supported, m)?)?;
     m.add_function(wrap_pyfunction!(gguf::cpu_gguf_dequantize, m)?)?;
+    m.add_function(wrap_pyfunction!(gguf::cpu_gguf_embedding, m)?)?;
     quant_kernels::register(m)?;
     gemm_bf16::register(m)?;
     m.add_function(wrap_pyfunction!(gguf::cpu_gguf_linear_supported, m)?)?;

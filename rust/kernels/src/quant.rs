@@ -125,6 +125,52 @@ pub fn dequantize<T: Element>(
     Ok(())
 }
 
+/// Rows `ids` of a `[rows, row_len]` tensor of `ggml_type` blocks (row `n` from byte `n ·
+/// row_stride` of `data`), decoded into `out` (`[ids.len(), row_len]`, `row_len = out.len() /
+/// ids.len()`): an embedding lookup straight from a GGUF file's table.
+///
+/// # Errors
+/// A `row_len` that is not whole blocks, a `row_stride` shorter than a row, or an id outside
+/// the table (nothing is written then).
+pub fn dequantize_rows<T: Element>(
+    ggml_type: GgmlType,
+    data: &[u8],
+    row_stride: usize,
+    ids: &[i64],
+    out: &mut [T],
+    threads: usize,
+) -> Result<(), KernelError> {
+    let (block_len, block_bytes) = (ggml_type.block_len(), ggml_type.block_bytes());
+    let row_len = if ids.is_empty() { 0 } else { out.len() / ids.len() };
+    check_len("out", out.len(), ids.len() * row_len)?;
+    if !row_len.is_multiple_of(block_len) {
+        let limit = format!("whole {ggml_type:?} blocks of {block_len} elements");
+        return Err(KernelError::Value { name: "row_len", limit, value: row_len as i64 });
+    }
+    let row_bytes = row_len / block_len * block_bytes;
+    if row_stride < row_bytes {
+        let limit = format!("at least a row's {row_bytes} bytes");
+        return Err(KernelError::Value { name: "row_stride", limit, value: row_stride as i64 });
+    }
+    let rows = if data.len() < row_bytes { 0 } else { (data.len() - row_bytes) / row_stride + 1 };
+    if let Some(&id) = ids.iter().find(|&&id| id < 0 || id as usize >= rows) {
+        return Err(KernelError::Value {
+            name: "ids",
+            limit: format!("in 0..{rows} (the table's rows)"),
+            value: id,
+        });
+    }
+    for_each_share(out, row_len, MIN_ROWS_PER_THREAD, threads, |range, out| {
+        for (&id, out) in ids[range].iter().zip(out.chunks_exact_mut(row_len.max(1))) {
+            decode_run::<T>(ggml_type, &data[id as usize * row_stride..][..row_bytes], out);
+        }
+    });
+    Ok(())
+}
+
+/// Rows of a lookup per thread, at least: a decode step's one row runs on the calling thread.
+const MIN_ROWS_PER_THREAD: usize = 64;
+
 multiversion!(fn decode_run<T>(ggml_type: GgmlType, data: &[u8], out: &mut [T]) => decode_run_body);
 
 #[inline(always)]
@@ -247,6 +293,29 @@ mod tests {
         let mut out = vec![0.0f32; data.len() / 210 * 256];
         dequantize(GgmlType::Q6K, &data, &mut out, 4).unwrap();
         assert_eq!(out, serial(GgmlType::Q6K, &data));
+    }
+
+    #[test]
+    fn a_lookup_decodes_the_rows_asked_for_in_their_order() {
+        // Four rows of two Q4_K blocks, 8 bytes of padding after each (a strided view).
+        let (t, stride) = (GgmlType::Q4K, 2 * 144 + 8);
+        let rows = random_blocks(t, 8);
+        let mut table = vec![0u8; 4 * stride];
+        for (r, row) in rows.chunks_exact(2 * 144).enumerate() {
+            table[r * stride..][..2 * 144].copy_from_slice(row);
+        }
+        let mut out = vec![0.0f32; 3 * 512];
+        dequantize_rows(t, &table[..3 * stride + 2 * 144], stride, &[3, 0, 3], &mut out, 2).unwrap();
+        let row = |r: usize| serial(t, &rows[r * 288..(r + 1) * 288]);
+        assert_eq!(out, [row(3), row(0), row(3)].concat());
+        let err = dequantize_rows(t, &table, stride, &[4], &mut out[..512], 1).unwrap_err();
+        assert!(err.to_string().contains("in 0..4"), "{err}");
+        let err = dequantize_rows(t, &table, stride, &[-1], &mut out[..512], 1).unwrap_err();
+        assert!(err.to_string().contains("ids"), "{err}");
+        let err = dequantize_rows(t, &table, 100, &[0], &mut out[..512], 1).unwrap_err();
+        assert!(err.to_string().contains("row_stride"), "{err}");
+        let err = dequantize_rows(t, &table, stride, &[0, 1], &mut out[..300], 1).unwrap_err();
+        assert!(err.to_string().contains("row_len"), "{err}");
     }
 
     #[test]

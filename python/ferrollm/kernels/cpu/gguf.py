@@ -27,7 +27,8 @@ from ferrollm import _core
 from ferrollm.kernels.cpu import _threads
 from ferrollm.exceptions import KernelError
 
-__all__ = ["InterleavedBlocks", "deinterleave", "dequantize", "dequantize_supported", "gguf_linear", "gguf_linear_stacked",
+__all__ = ["InterleavedBlocks", "deinterleave", "dequantize", "dequantize_supported", "embedding", "gguf_linear",
+           "gguf_linear_stacked",
            "gguf_linear_supported", "interleave", "interleave_preferred"]
 
 _DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
@@ -68,6 +69,38 @@ def dequantize(data: np.ndarray, ggml_type: int, shape: tuple[int, ...],
     _core.cpu_gguf_dequantize(int(ggml_type), (address, data.nbytes), _DTYPES[dtype],
                               (out.data_ptr(), out.numel()), _threads())
     return out
+
+
+def embedding(table: torch.Tensor, ggml_type: int, ids: torch.Tensor, dim: int,
+              dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Rows ``ids`` of an embedding table kept as GGUF blocks, decoded: ``[*ids.shape, dim]``.
+
+    One kernel call reads just those rows' blocks (at decode, one row per step, where a gather
+    of the blocks and :func:`dequantize` took a dozen small ops).
+
+    Args:
+        table: uint8 ``[rows, row_bytes]``, each row's blocks contiguous (``stride(1) == 1``),
+            usually a view of the memory-mapped file.
+        ggml_type: its GGML type id; see :func:`dequantize_supported`.
+        ids: int64 row ids, any shape, each in ``0..rows``.
+        dim: elements per row.
+        dtype: of the result (decoded in float32 unless it is bfloat16, then converted).
+
+    Raises:
+        KernelError: an id outside the table, or a row that is not whole blocks of ``dim``.
+    """
+    if table.dtype != torch.uint8 or table.dim() != 2 or table.stride(1) != 1:
+        raise KernelError(f"`table` must be uint8 [rows, row_bytes] with stride(1) == 1. Given: {table.dtype} "
+                          f"{list(table.shape)} strides {list(table.stride())}")
+    flat = ids.reshape(-1).to(torch.int64).contiguous()
+    decoded = dtype if dtype in _DTYPES else torch.float32
+    out = torch.empty(*ids.shape, dim, dtype=decoded)
+    span = (table.shape[0] - 1) * table.stride(0) + table.shape[1] if table.shape[0] else 0
+    # `table`, `flat` and `out` stay referenced here until the kernel returns.
+    _core.cpu_gguf_embedding(int(ggml_type), (table.data_ptr(), span), table.stride(0),
+                             (flat.data_ptr(), flat.numel()), _DTYPES[decoded], (out.data_ptr(), out.numel()),
+                             _threads())
+    return out.to(dtype)
 
 
 def gguf_linear_supported(ggml_type: int) -> bool:

@@ -95,11 +95,9 @@ class VocabParallelEmbedding(nn.Module):
         if blocks is None:
             return F.embedding(ids, self.weight)
         # GGUF: decode just the rows looked up, from the file's blocks.
-        from ferrollm.kernels.cpu.gguf import dequantize
+        from ferrollm.kernels.cpu.gguf import embedding
 
-        rows = blocks.data.index_select(0, ids.reshape(-1))
-        table = dequantize(rows.numpy(), blocks.ggml_type, (rows.shape[0], self.embedding_dim))
-        return table.to(self.weight.dtype).view(*ids.shape, self.embedding_dim)
+        return embedding(blocks.data, blocks.ggml_type, ids, self.embedding_dim, self.weight.dtype)
 
     def dense_weight(self) -> torch.Tensor:
         """The table, ``[num_embeddings_per_partition, embedding_dim]`` (for saving)."""
