@@ -24,9 +24,12 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from ferrollm.kernels import cpu as cpu_kernels
-from ferrollm.kernels.cpu.gguf import dequantize, gguf_linear
+from ferrollm.kernels.cpu.gguf import (dequantize, gguf_linear, interleave, interleave_preferred,
+                                       gguf_linear_stacked as gguf_stacked)
 
-SHAPES = {"gate/up": (4864, 896), "down": (896, 4864), "lm_head": (151936, 896)}
+SHAPES = {"gate/up": (4864, 896), "down": (896, 4864), "lm_head": (151936, 896),
+          # SmolLM2-135M's: decode there is many small products back to back.
+          "smol-qkv": (960, 576), "smol-gate/up": (3072, 576), "smol-down": (576, 1536)}
 TYPES = ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K", "Q5_K", "Q5_0", "Q5_1"]
 # Bytes of weights cycled per shape: several times a 16-32 MB last-level cache.
 CYCLED_BYTES = 192 << 20
@@ -80,7 +83,7 @@ def _fp32_rows_per_second(shape, rows: int, repeats: int) -> float:
     return rows / _seconds_per_call([call] * 4, repeats)
 
 
-def _type_row(name: str, shape, bound: float, rows: int, repeats: int, rng) -> str:
+def _type_row(name: str, shape, bound: float, rows: int, repeats: int, rng, layout: str) -> str:
     qtype = int(GGMLQuantizationType[name])
     block_len = GGML_QUANT_SIZES[GGMLQuantizationType[name]][0]
     if shape[1] % block_len:
@@ -90,12 +93,18 @@ def _type_row(name: str, shape, bound: float, rows: int, repeats: int, rng) -> s
     weights = [torch.from_numpy(first)] + [
         torch.from_numpy(_blocks(name, *shape, rng)) for _ in range(_copies(first.nbytes) - 1)]
     x1, xn = torch.randn(1, shape[1]), torch.randn(rows, shape[1])
-    one = _seconds_per_call([lambda w=w: gguf_linear(x1, w, qtype, shape[1]) for w in weights], repeats)
-    many = _seconds_per_call([lambda w=w: gguf_linear(xn, w, qtype, shape[1]) for w in weights[:4]], repeats)
+    if layout == "engine" and interleave_preferred(qtype):
+        # As the engine holds them on this CPU: re-laid in groups of rows at load.
+        weights = [interleave(w, qtype, shape[1]) for w in weights]
+        linear = lambda x, w: gguf_stacked(x, [w], shape[1])  # noqa: E731
+    else:
+        linear = lambda x, w: gguf_linear(x, w, qtype, shape[1])  # noqa: E731
+    one = _seconds_per_call([lambda w=w: linear(x1, w) for w in weights], repeats)
+    many = _seconds_per_call([lambda w=w: linear(xn, w) for w in weights[:4]], repeats)
     gbps = first.nbytes / one / 1e9
     # A sanity check that the weights are what the kernel read: decode one and compare.
     dense = dequantize(first, qtype, shape)
-    assert torch.allclose(gguf_linear(x1, weights[0], qtype, shape[1]), x1 @ dense.T, rtol=0.05, atol=0.05 * float(
+    assert torch.allclose(linear(x1, weights[0]), x1 @ dense.T, rtol=0.05, atol=0.05 * float(
         (x1.abs() @ dense.abs().T).max()))
     return (f"{name:5s} {shape[0]:>6d}x{shape[1]:<5d} {first.nbytes / 2**20:7.1f} MiB  {one * 1e3:7.3f} ms "
             f"{gbps:6.1f} GB/s {100 * gbps / bound:5.0f}%   {rows / many:9.0f} rows/s")
@@ -108,6 +117,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--rows", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--layout", choices=("engine", "file"), default="engine",
+                        help="engine: Q4_0/Q4_1/Q8_0 re-laid as the engine holds them on this CPU; "
+                             "file: every type read in the file's layout")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     rng = np.random.default_rng(0)
@@ -120,7 +132,7 @@ def main() -> None:
         print(f"\n{shape_name} {shape}: fp32 GEMV streams {bound:.1f} GB/s (the bound); "
               f"fp32 at {args.rows} rows: {fp32:.0f} rows/s")
         for name in args.types.split(","):
-            print(_type_row(name, shape, bound, args.rows, args.repeats, rng), flush=True)
+            print(_type_row(name, shape, bound, args.rows, args.repeats, rng, args.layout), flush=True)
     with open("/proc/loadavg", encoding="utf-8") as load:
         print(f"\nloadavg after {load.read().split()[:3]}")
 
