@@ -1,7 +1,7 @@
 """GGUF block products (`gguf_linear`) against the machine's streaming bandwidth, in one run.
 
 For each GGML type and each Qwen2-0.5B-shaped weight (gate/up 4864×896, down 896×4864, LM head
-151936×896), enough copies of the weight to exceed the last-level cache are cycled, so every
+151936×896) and SmolLM2-135M's small ones, enough copies of the weight to exceed the last-level cache are cycled, so every
 call reads its weight from memory as a decode step does. Prints:
 
 - batch 1: GB/s of weight bytes, and that as a share of the bandwidth bound, which is
@@ -11,7 +11,11 @@ call reads its weight from memory as a decode step does. Prints:
 
 Weights are random blocks with finite scales (speed does not depend on the values).
 
-    python benches/gguf_gemv.py [--types Q4_0,Q8_0] [--threads 2] [--rows 32] [--isa]
+With ``--layout engine`` (the default) Q4_0, Q4_1 and Q8_0 are re-laid in row groups where the
+engine does so (AVX512-VNNI); ``--layout file`` reads every type in the file's layout.
+
+    python benches/gguf_gemv.py [--types Q4_0,Q8_0] [--shapes down,smol-down] [--threads 2] [--rows 32]
+        [--layout engine|file]
 """
 
 from __future__ import annotations
