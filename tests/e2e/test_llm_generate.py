@@ -126,6 +126,26 @@ def test_n_and_seed_are_reproducible(tiny_llama):
         assert len({tuple(c.token_ids) for c in a.outputs}) > 1, "children use seed + i"
 
 
+def test_seeded_requests_keep_their_tokens_as_the_batch_around_them_changes(tiny_llama):
+    # Requests end at different steps and one waits on `min_tokens`, so the runner's reused
+    # sampling metadata must follow each change of who samples, and with which settings.
+    path, hf = tiny_llama
+    eos = hf.config.eos_token_id
+    params = [SamplingParams(temperature=0.7, seed=1, max_tokens=3, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True),
+              SamplingParams(temperature=1.3, top_k=5, seed=2, max_tokens=6, ignore_eos=True),
+              SamplingParams(temperature=1.0, seed=3, max_tokens=8, min_tokens=5, stop_token_ids=[eos],
+                             logit_bias={eos: 30.0})]
+    prompts = ["one", "two words", "three more words", "four"]
+    with LLM(model=str(path)) as llm:
+        alone = [llm.generate([q], p, use_tqdm=False)[0].outputs[0].token_ids for q, p in zip(prompts, params)]
+        together = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert together == alone
+    assert [len(t) for t in alone[:3]] == [3, 9, 6]
+    # The bias makes EOS all but certain: held back for min_tokens, then drawn at once.
+    assert len(alone[3]) == 6 and alone[3][-1] == eos and eos not in alone[3][:5]
+
+
 def test_length_cap_and_max_model_len(tiny_llama):
     path, _ = tiny_llama
     with LLM(model=str(path), max_model_len=20) as llm:

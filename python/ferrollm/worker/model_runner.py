@@ -78,6 +78,8 @@ class ModelRunner:
         # Parameters of requests the core has not scheduled yet, by request id.
         self._incoming: dict[str, SamplingParams] = {}
         self._incoming_mm: dict[str, MultiModalInputs] = {}
+        # The last step's sampling rows and their metadata, reused while they sample alike.
+        self._steady_sampling: tuple[list[CachedRequestState], SamplingMetadata] | None = None
         # Finished requests' states awaiting `release` (see `hold`).
         self._held: dict[str, CachedRequestState | None] = {}
         # Multimodal models take M-RoPE positions and image embeddings (worker/mm_state.py).
@@ -189,6 +191,23 @@ class ModelRunner:
         return positions, embeds, spans
 
     def _sampling_metadata(self, step: SchedulerOutput, rows: np.ndarray, states: list[CachedRequestState]) -> SamplingMetadata:
+        """The step's sampling inputs. Rows that sample the same way every step (no penalties,
+        bad words, pending `min_tokens` or custom processors: nothing that reads the outputs so
+        far) get the same metadata while the same requests sample in the same order, so it is
+        built once for them: rebuilt each step it cost ~0.3 ms of small ops, ~1.5% of a
+        Qwen2-0.5B Q4_0 decode step at batch 1."""
+        steady = self.logits_processors is None and all(_samples_steadily(s) for s in states)
+        last = self._steady_sampling
+        if steady and last is not None and len(last[0]) == len(states) and all(
+                a is b for a, b in zip(last[0], states)):
+            return last[1]
+        meta = self._build_sampling_metadata(step, rows, states)
+        # The states are held with it, so no other request can take their place unnoticed.
+        self._steady_sampling = (states, meta) if steady else None
+        return meta
+
+    def _build_sampling_metadata(self, step: SchedulerOutput, rows: np.ndarray,
+                                 states: list[CachedRequestState]) -> SamplingMetadata:
         params = [s.params for s in states]
         penalties = any(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0 for p in params)
         logprobs = [p.logprobs for p in params if p.logprobs is not None]
@@ -254,6 +273,15 @@ class ModelRunner:
             ids, lps, ranks = compute_prompt_logprobs(logits, targets, k, self.sampler.logprobs_mode)
             ids, lps, ranks = ids.cpu().numpy(), lps.cpu().numpy(), ranks.cpu().numpy()
             state.prompt_logprobs.extend((ids[i], lps[i], int(ranks[i])) for i in range(end - start))
+
+
+def _samples_steadily(state: CachedRequestState) -> bool:
+    """Whether the request's sampling metadata is the same every step from now on: nothing in
+    it depends on the tokens generated so far."""
+    p = state.params
+    return (not (p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0)
+            and not p.bad_words_token_ids
+            and len(state.output_token_ids) >= p.min_tokens)
 
 
 def _bad_word_ids(states: list[CachedRequestState]) -> list[list[int] | None] | None:
