@@ -245,6 +245,16 @@ def test_the_cpu_kernel_draws_what_the_torch_search_draws_from_the_same_numbers(
     assert bool((kernel % 3 != 1).all())
 
 
+def test_one_wide_row_split_over_the_team_draws_what_the_torch_search_draws():
+    # Batch 1 over a Qwen2-sized vocabulary: the kernel splits the row's passes over torch's
+    # OpenMP team (one thread per row otherwise), and must draw the same tokens.
+    logits = torch.randn(1, 151_936, generator=torch.Generator().manual_seed(5)) * 4
+    logits[:, 2::5] = NEG_INF
+    for seed in range(20):
+        kernel = ops.sample_logits(logits, {0: make_generator(seed)})
+        assert torch.equal(kernel, ops.random_sample(logits.softmax(dim=-1), {0: make_generator(seed)}))
+
+
 def test_the_cpu_kernel_refuses_a_row_with_nothing_to_draw():
     logits = torch.zeros(2, 10)
     logits[1] = NEG_INF

@@ -10,14 +10,18 @@
 //! A logit of `-inf` (a token a filter removed) or NaN has no mass; a row with no mass at all is
 //! refused.
 
+use crate::element::Element;
 use crate::error::{check_len, KernelError};
 use crate::openmp::for_each_share;
-use crate::simd::exp;
+use crate::simd::{exp, multiversion};
 
 /// Tokens per block of the search: one block's exponentials are taken twice.
 const BLOCK: usize = 256;
 /// Lanes of the maximum and of a block's sum (a single float would be a chain of dependent adds).
 const LANES: usize = 16;
+/// Blocks per thread, at least, when one row's passes are split over the team (Qwen2's 151,936
+/// logits are 594 blocks).
+const MIN_BLOCKS_PER_THREAD: usize = 64;
 
 /// Writes `out[r]`, a token drawn from row `r` of `logits` (`[rows, vocab]`) at the uniform
 /// number `uniforms[r]` in `[0, 1)`, rows split over up to `threads`.
@@ -39,11 +43,20 @@ pub fn sample_rows(
         let limit = "in [0, 1)".to_string();
         return Err(KernelError::Param { name: "uniforms", limit, value: u.to_string() });
     }
-    for_each_share(out, 1, 1, threads, |range, picks| {
-        for (row, pick) in range.zip(picks.iter_mut()) {
-            *pick = draw(&logits[row * vocab..(row + 1) * vocab], uniforms[row]).map_or(-1, |t| t as i64);
+    if rows < threads && vocab >= 2 * MIN_BLOCKS_PER_THREAD * BLOCK {
+        // Fewer rows than threads (batch-1 decode): each row's two passes are split instead,
+        // where the other core would wait through the whole vocabulary.
+        for (row, pick) in out.iter_mut().enumerate() {
+            let logits = &logits[row * vocab..(row + 1) * vocab];
+            *pick = draw_on_team(logits, uniforms[row], threads).map_or(-1, |t| t as i64);
         }
-    });
+    } else {
+        for_each_share(out, 1, 1, threads, |range, picks| {
+            for (row, pick) in range.zip(picks.iter_mut()) {
+                *pick = draw(&logits[row * vocab..(row + 1) * vocab], uniforms[row]).map_or(-1, |t| t as i64);
+            }
+        });
+    }
     if let Some(row) = out.iter().position(|&pick| pick < 0) {
         let limit = "at least one finite logit".to_string();
         return Err(KernelError::Param { name: "logits", limit, value: format!("row {row} has none") });
@@ -87,29 +100,72 @@ fn draw_in(row: &[f32], u: f64) -> Option<usize> {
     // Plain loops: an iterator adapter's `fold` is a function of its own, compiled without the
     // caller's vector features (it ran the exponentials four lanes wide).
     let mut masses = Vec::with_capacity(row.len().div_ceil(BLOCK));
-    let mut total = 0.0;
     for block in row.chunks(BLOCK) {
-        let mass = block_mass(block, max);
-        masses.push(mass);
-        total += mass;
+        masses.push(block_mass(block, max));
     }
+    pick(row, u, max, &masses)
+}
+
+/// [`draw_in`] with its two passes (the maximum, then the block masses) split over the team
+/// block by block: each block's values are the one-thread pass's, so the draw is too.
+fn draw_on_team(row: &[f32], u: f64, threads: usize) -> Option<usize> {
+    let blocks = row.len().div_ceil(BLOCK);
+    let mut maxes = vec![f32::NEG_INFINITY; blocks];
+    for_each_share(&mut maxes, 1, MIN_BLOCKS_PER_THREAD, threads, |range, out| {
+        blocks_max(&row[range.start * BLOCK..row.len().min(range.end * BLOCK)], out)
+    });
+    let max = maxes.iter().fold(f32::NEG_INFINITY, |m, &x| if x > m { x } else { m });
+    if !max.is_finite() {
+        return None;
+    }
+    let mut masses = vec![0.0f64; blocks];
+    for_each_share(&mut masses, 1, MIN_BLOCKS_PER_THREAD, threads, |range, out| {
+        blocks_mass(&row[range.start * BLOCK..row.len().min(range.end * BLOCK)], max, out)
+    });
+    pick(row, u, max, &masses)
+}
+
+multiversion!(fn blocks_max<T>(row: &[T], out: &mut [f32]) => blocks_max_body);
+multiversion!(fn blocks_mass<T>(row: &[T], max: f32, out: &mut [f64]) => blocks_mass_body);
+
+/// Each [`BLOCK`] of `row`'s maximum into `out` (generic only to share `multiversion!`: the
+/// logits are f32).
+#[inline(always)]
+fn blocks_max_body<T: Element>(row: &[T], out: &mut [f32]) {
+    for (block, out) in row.chunks(BLOCK).zip(out) {
+        *out = row_max(block);
+    }
+}
+
+/// Each [`BLOCK`] of `row`'s mass at `max` into `out`.
+#[inline(always)]
+fn blocks_mass_body<T: Element>(row: &[T], max: f32, out: &mut [f64]) {
+    for (block, out) in row.chunks(BLOCK).zip(out) {
+        *out = block_mass(block, max);
+    }
+}
+
+/// The draw from the row's maximum and block masses: the first block whose cumulative mass
+/// passes `u` × the total, then the token in it.
+fn pick(row: &[f32], u: f64, max: f32, masses: &[f64]) -> Option<usize> {
+    let total: f64 = masses.iter().sum();
     if total.is_nan() || total <= 0.0 {
         return None;
     }
     let target = u * total;
     // The first block whose cumulative mass passes `target`, and the mass before it; rounding
     // can leave `target` past the last sum, and then the last block with mass takes it.
-    let (mut at, mut pick) = (0.0, None);
+    let (mut at, mut found) = (0.0, None);
     for (b, &mass) in masses.iter().enumerate() {
         if mass > 0.0 {
-            pick = Some((b, at));
+            found = Some((b, at));
             if at + mass > target {
                 break;
             }
         }
         at += mass;
     }
-    let (b, before) = pick?;
+    let (b, before) = found?;
     let block = &row[b * BLOCK..row.len().min((b + 1) * BLOCK)];
     let (mut sum, mut last) = (before, None);
     for (i, &logit) in block.iter().enumerate() {
@@ -139,17 +195,18 @@ fn weight(logit: f32, max: f32) -> f32 {
 
 /// The largest logit, NaN left out (`-inf` where there is none).
 #[inline(always)]
-fn row_max(row: &[f32]) -> f32 {
+fn row_max<T: Element>(row: &[T]) -> f32 {
     let mut lanes = [f32::NEG_INFINITY; LANES];
     let chunks = row.chunks_exact(LANES);
     let tail = chunks.remainder();
     for chunk in chunks {
-        for (m, &x) in lanes.iter_mut().zip(chunk) {
+        for (m, x) in lanes.iter_mut().zip(chunk) {
+            let x = x.to_f32();
             *m = if x > *m { x } else { *m };
         }
     }
     let mut max = f32::NEG_INFINITY;
-    for &x in tail.iter().chain(&lanes) {
+    for x in tail.iter().map(|x| x.to_f32()).chain(lanes) {
         max = if x > max { x } else { max };
     }
     max
@@ -157,16 +214,16 @@ fn row_max(row: &[f32]) -> f32 {
 
 /// Σ `exp(logit - max)` over a block, in float32 lanes, as float64.
 #[inline(always)]
-fn block_mass(block: &[f32], max: f32) -> f64 {
+fn block_mass<T: Element>(block: &[T], max: f32) -> f64 {
     let mut lanes = [0.0f32; LANES];
     let chunks = block.chunks_exact(LANES);
     let mut sum = 0.0f64;
-    for &x in chunks.remainder() {
-        sum += f64::from(weight(x, max));
+    for x in chunks.remainder() {
+        sum += f64::from(weight(x.to_f32(), max));
     }
     for chunk in chunks {
-        for (s, &x) in lanes.iter_mut().zip(chunk) {
-            *s += weight(x, max);
+        for (s, x) in lanes.iter_mut().zip(chunk) {
+            *s += weight(x.to_f32(), max);
         }
     }
     for s in lanes {
@@ -210,6 +267,23 @@ mod tests {
             sample_rows(&row, vocab, &[(start + end) / 2.0], &mut out, 1).unwrap();
             assert_eq!(out[0], token as i64);
         }
+    }
+
+    #[test]
+    fn a_row_split_over_the_team_draws_what_one_thread_draws() {
+        // A vocabulary wide enough to split (and a short last block), some tokens removed.
+        let vocab = 2 * MIN_BLOCKS_PER_THREAD * BLOCK + 77;
+        let mut row: Vec<f32> = values(vocab, 9).iter().map(|v| 6.0 * v).collect();
+        row.iter_mut().step_by(7).for_each(|l| *l = f32::NEG_INFINITY);
+        for k in 0..50 {
+            let u = (k as f64 + 0.25) / 50.0;
+            let (mut split, mut one) = ([0i64], [0i64]);
+            sample_rows(&row, vocab, &[u], &mut split, 2).unwrap();
+            sample_rows(&row, vocab, &[u], &mut one, 1).unwrap();
+            assert_eq!(split, one, "u {u}");
+            assert_eq!(draw_on_team(&row, u, 2), draw(&row, u));
+        }
+        assert_eq!(draw_on_team(&[f32::NEG_INFINITY; 2 * MIN_BLOCKS_PER_THREAD * BLOCK], 0.5, 2), None);
     }
 
     #[test]
