@@ -94,7 +94,9 @@ class AttentionMetadata:
         device = torch.device(device)
 
         def wrap(a: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(a).to(device, non_blocking=True)
+            # No `.to` on the CPU: a call that does nothing still costs a dispatch, each step.
+            t = torch.from_numpy(a)
+            return t if device.type == "cpu" else t.to(device, non_blocking=True)
 
         return cls(
             slot_mapping=wrap(step.slot_mapping),
