@@ -29,16 +29,8 @@ pub fn cpu_gguf_dequantize(
     out: (usize, usize),
     threads: usize,
 ) -> PyResult<()> {
-    let Some(ggml_type) = GgmlType::from_id(ggml_type) else {
-        return Err(raise("KernelError", format!("GGML type {ggml_type} has no block decoder")));
-    };
-    match dtype {
-        "float32" => run::<f32>(py, ggml_type, data, out, threads),
-        "bfloat16" => run::<Bf16>(py, ggml_type, data, out, threads),
-        other => {
-            Err(raise("KernelError", format!("`dtype` must be 'float32' or 'bfloat16'. Given: '{other}'")))
-        }
-    }
+    let t = block_type(ggml_type)?;
+    by_dtype(dtype, || run::<f32>(py, t, data, out, threads), || run::<Bf16>(py, t, data, out, threads))
 }
 
 /// Rows `ids` (`(address, count)` of int64) of a `[rows, row_len]` table of GGML type
@@ -57,27 +49,47 @@ pub fn cpu_gguf_embedding(
     out: (usize, usize),
     threads: usize,
 ) -> PyResult<()> {
-    let Some(ggml_type) = GgmlType::from_id(ggml_type) else {
-        return Err(raise("KernelError", format!("GGML type {ggml_type} has no block decoder")));
-    };
-    fn lookup<T: Element>(
-        py: Python<'_>,
-        t: GgmlType,
-        (data, row_stride, ids): ((usize, usize), usize, (usize, usize)),
-        out: (usize, usize),
-        threads: usize,
-    ) -> PyResult<()> {
-        // SAFETY: as `run`'s buffers; `ids` is a live int64 tensor of that many elements.
-        let (data, ids, out) = unsafe { (view::<u8>(data), view::<i64>(ids), view_mut::<T>(out)) };
-        py.detach(|| quant::dequantize_rows(t, data, row_stride, ids, out, threads)).map_err(kernel_error)
-    }
+    let t = block_type(ggml_type)?;
+    let table = (data, row_stride);
+    by_dtype(
+        dtype,
+        || lookup::<f32>(py, t, table, ids, out, threads),
+        || lookup::<Bf16>(py, t, table, ids, out, threads),
+    )
+}
+
+/// The GGML type with id `ggml_type`, or a `KernelError` for one without a block decoder.
+fn block_type(ggml_type: u32) -> PyResult<GgmlType> {
+    GgmlType::from_id(ggml_type)
+        .ok_or_else(|| raise("KernelError", format!("GGML type {ggml_type} has no block decoder")))
+}
+
+/// Runs the branch for the output element type `dtype` names, 'float32' or 'bfloat16'.
+fn by_dtype(
+    dtype: &str,
+    f32_out: impl FnOnce() -> PyResult<()>,
+    bf16_out: impl FnOnce() -> PyResult<()>,
+) -> PyResult<()> {
     match dtype {
-        "float32" => lookup::<f32>(py, ggml_type, (data, row_stride, ids), out, threads),
-        "bfloat16" => lookup::<Bf16>(py, ggml_type, (data, row_stride, ids), out, threads),
+        "float32" => f32_out(),
+        "bfloat16" => bf16_out(),
         other => {
             Err(raise("KernelError", format!("`dtype` must be 'float32' or 'bfloat16'. Given: '{other}'")))
         }
     }
+}
+
+fn lookup<T: Element>(
+    py: Python<'_>,
+    ggml_type: GgmlType,
+    (data, row_stride): ((usize, usize), usize),
+    ids: (usize, usize),
+    out: (usize, usize),
+    threads: usize,
+) -> PyResult<()> {
+    // SAFETY: as `run`'s buffers; `ids` is a live int64 tensor of that many elements.
+    let (data, ids, out) = unsafe { (view::<u8>(data), view::<i64>(ids), view_mut::<T>(out)) };
+    py.detach(|| quant::dequantize_rows(ggml_type, data, row_stride, ids, out, threads)).map_err(kernel_error)
 }
 
 /// One stacked weight of `cpu_gguf_linear` (and the one-call decoder): `(ggml_type, (address,
