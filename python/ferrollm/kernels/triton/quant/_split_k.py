@@ -18,6 +18,7 @@ row of a 2048-wide projection split 4 ways, against its 4 MiB int8 weight), and 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -72,11 +73,39 @@ def split_k_for(split_k: int | None, rows: int, out_features: int, in_features: 
     return min(split_k, triton.cdiv(in_features, block_k))
 
 
-def new_partials(num_splits: int, rows: int, out_features: int, device: torch.device) -> torch.Tensor | None:
-    """The ``[num_splits, rows, out]`` float32 partial sums of a split launch; ``None`` unsplit."""
-    if num_splits == 1:
-        return None
-    return torch.empty((num_splits, rows, out_features), dtype=torch.float32, device=device)
+@dataclasses.dataclass(frozen=True)
+class SplitPlan:
+    """One matmul launch's split: its 3-D grid, and the ``[splits, rows, out]`` float32 partial
+    sums the programs write instead of the output when K is split (``None`` unsplit).
+
+    The kernels take ``plan.target(out_rows)`` as their partials pointer and ``SPLIT=plan.split``,
+    and the caller ends with ``plan.finish(out_rows, bias)``."""
+
+    grid: tuple[int, int, int]
+    partials: torch.Tensor | None
+
+    @property
+    def split(self) -> bool:
+        return self.partials is not None
+
+    def target(self, out_rows: torch.Tensor) -> torch.Tensor:
+        """Where the programs store: the partials when split (``out_rows``, unread, otherwise)."""
+        return out_rows if self.partials is None else self.partials
+
+    def finish(self, out_rows: torch.Tensor, bias: torch.Tensor | None) -> None:
+        """Sums a split launch's partials into ``out_rows`` (with ``bias``); nothing unsplit."""
+        if self.partials is not None:
+            reduce_split_k(self.partials, out_rows, bias)
+
+
+def plan_split(split_k: int | None, rows: int, out_features: int, in_features: int, block_k: int,
+               config: dict, device: torch.device) -> SplitPlan:
+    """The launch plan of a ``[rows, in] x [in, out]`` matmul with ``config``'s tiles:
+    :func:`split_k_for`'s split and, when it splits, fresh partials."""
+    num_splits = split_k_for(split_k, rows, out_features, in_features, block_k, device)
+    partials = None if num_splits == 1 else torch.empty((num_splits, rows, out_features), dtype=torch.float32,
+                                                        device=device)
+    return SplitPlan((*matmul_grid(rows, out_features, config), num_splits), partials)
 
 
 @triton.jit

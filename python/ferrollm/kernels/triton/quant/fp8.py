@@ -26,10 +26,9 @@ from ferrollm.kernels.triton.quant._common import (
     dot_precision,
     e4m3_decode,
     launch_config,
-    matmul_grid,
     output_like,
 )
-from ferrollm.kernels.triton.quant._split_k import new_partials, reduce_split_k, split_k_for, split_k_range, store_tile
+from ferrollm.kernels.triton.quant._split_k import plan_split, split_k_range, store_tile
 from ferrollm.kernels.triton.quant.activations import scaled_fp8_quant, scaled_fp8_quant_ref
 
 __all__ = ["fp8_linear", "fp8_linear_ref", "has_fp8_dot"]
@@ -184,19 +183,17 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     # The float8 MMA takes K in steps of 32; narrower tiles take the decoding path.
     fp8_dot = (has_fp8_dot(x.device) if fp8_dot is None else fp8_dot) and block_k >= 32
     config = launch_config(rows.shape[0], block_k)
-    num_splits = split_k_for(split_k, rows.shape[0], out_features, in_features, block_k, x.device)
-    partials = new_partials(num_splits, rows.shape[0], out_features, x.device)
-    _fp8_linear_kernel[(*matmul_grid(rows.shape[0], out_features, config), num_splits)](
-        out_rows, out_rows if partials is None else partials, a, scales if a_scale is None else a_scale, w, scales,
+    plan = plan_split(split_k, rows.shape[0], out_features, in_features, block_k, config, x.device)
+    _fp8_linear_kernel[plan.grid](
+        out_rows, plan.target(out_rows), a, scales if a_scale is None else a_scale, w, scales,
         scales if bias is None else bias,
         rows.shape[0], out_features, in_features, bo, bi,
         a.stride(0), a_scale.stride(0) if input_quant == "group" else 0, w.stride(0), stride_swn, out_rows.stride(0),
         A_FP8=a_scale is not None, A_GROUP=input_quant == "group", W_BLOCK=block_size is not None,
         HAS_BIAS=bias is not None, FP8_DOT=fp8_dot, PRECISION=dot_precision(x.dtype),
-        SPLIT=partials is not None, **config,
+        SPLIT=plan.split, **config,
     )
-    if partials is not None:
-        reduce_split_k(partials, out_rows, bias)
+    plan.finish(out_rows, bias)
     return out
 
 

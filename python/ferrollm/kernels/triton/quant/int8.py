@@ -22,10 +22,9 @@ from ferrollm.kernels.triton.quant._common import (
     check_bias,
     check_weight,
     launch_config,
-    matmul_grid,
     output_like,
 )
-from ferrollm.kernels.triton.quant._split_k import new_partials, reduce_split_k, split_k_for, split_k_range, store_tile
+from ferrollm.kernels.triton.quant._split_k import plan_split, split_k_range, store_tile
 from ferrollm.kernels.triton.quant.activations import scaled_int8_quant, scaled_int8_quant_ref
 
 __all__ = ["w8a8_linear", "w8a8_linear_ref"]
@@ -104,18 +103,16 @@ def w8a8_linear(x: torch.Tensor, qweight: torch.Tensor, weight_scale: torch.Tens
     qx, s_x = scaled_int8_quant(rows, input_scale, input_zero_point)
     zero_point = input_zero_point if input_scale is not None else 0
     config = launch_config(rows.shape[0], _BLOCK_K)
-    num_splits = split_k_for(split_k, rows.shape[0], out_features, in_features, _BLOCK_K, x.device)
-    partials = new_partials(num_splits, rows.shape[0], out_features, x.device)
-    _w8a8_kernel[(*matmul_grid(rows.shape[0], out_features, config), num_splits)](
-        out_rows, out_rows if partials is None else partials, qx, s_x, qweight, weight_scale,
+    plan = plan_split(split_k, rows.shape[0], out_features, in_features, _BLOCK_K, config, x.device)
+    _w8a8_kernel[plan.grid](
+        out_rows, plan.target(out_rows), qx, s_x, qweight, weight_scale,
         weight_scale if bias is None else bias, zero_point,
         rows.shape[0], out_features, in_features, qx.stride(0), 1 if input_scale is None else 0,
         qweight.stride(0), out_rows.stride(0),
-        HAS_ZP=zero_point != 0, HAS_BIAS=bias is not None, SPLIT=partials is not None,
+        HAS_ZP=zero_point != 0, HAS_BIAS=bias is not None, SPLIT=plan.split,
         **config,
     )
-    if partials is not None:
-        reduce_split_k(partials, out_rows, bias)
+    plan.finish(out_rows, bias)
     return out
 
 

@@ -28,10 +28,9 @@ from ferrollm.kernels.triton.quant._common import (
     check_weight,
     dot_precision,
     launch_config,
-    matmul_grid,
     output_like,
 )
-from ferrollm.kernels.triton.quant._split_k import new_partials, reduce_split_k, split_k_for, split_k_range, store_tile
+from ferrollm.kernels.triton.quant._split_k import plan_split, split_k_range, store_tile
 
 __all__ = ["wq_linear", "wq_linear_ref"]
 
@@ -137,18 +136,16 @@ def wq_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins
     else:
         block_k = block_k_within(group_size)
     config = launch_config(rows.shape[0], block_k)
-    num_splits = split_k_for(split_k, rows.shape[0], out_features, in_features, block_k, x.device)
-    partials = new_partials(num_splits, rows.shape[0], out_features, x.device)
-    _wq_linear_kernel[(*matmul_grid(rows.shape[0], out_features, config), num_splits)](
-        out_rows, out_rows if partials is None else partials, rows, qweight, scales,
+    plan = plan_split(split_k, rows.shape[0], out_features, in_features, block_k, config, x.device)
+    _wq_linear_kernel[plan.grid](
+        out_rows, plan.target(out_rows), rows, qweight, scales,
         scales if mins is None else mins, scales if bias is None else bias,
         rows.shape[0], out_features, in_features, group_size, rows.stride(0), qweight.stride(0),
         scales.stride(0), out_rows.stride(0),
         BITS=bits, HAS_MINS=mins is not None, HAS_BIAS=bias is not None, PRECISION=dot_precision(x.dtype),
-        SPLIT=partials is not None, **config,
+        SPLIT=plan.split, **config,
     )
-    if partials is not None:
-        reduce_split_k(partials, out_rows, bias)
+    plan.finish(out_rows, bias)
     return out
 
 
