@@ -16,7 +16,7 @@
 //! Costs: one pass over `x` (O(rows · in_features)), against the weight's `out_features` times
 //! as many multiply-adds; the rows are quantized once per call.
 
-use crate::element::{as_f32, Element};
+use crate::element::Element;
 use crate::simd::multiversion;
 
 #[cfg(target_arch = "x86_64")]
@@ -57,7 +57,7 @@ impl QuantizedRows {
             sum16: vec![0; 2 * blocks],
         };
         #[cfg(target_arch = "x86_64")]
-        if let (Some(x), true) = (as_f32(x), avx512::available()) {
+        if let (Some(x), true) = (crate::element::as_f32(x), avx512::available()) {
             // SAFETY: the CPU has the kernel's features; the buffers were sized above.
             unsafe { avx512::quantize(x, group, &mut rows.q, &mut rows.d, &mut rows.sum, &mut rows.sum16) };
             return rows;
