@@ -47,13 +47,14 @@ pub fn sample_rows(
         // Fewer rows than threads (batch-1 decode): each row's two passes are split instead,
         // where the other core would wait through the whole vocabulary.
         for (row, pick) in out.iter_mut().enumerate() {
-            let logits = &logits[row * vocab..(row + 1) * vocab];
-            *pick = draw_on_team(logits, uniforms[row], threads).map_or(-1, |t| t as i64);
+            *pick = draw(&logits[row * vocab..(row + 1) * vocab], uniforms[row], threads)
+                .map_or(-1, |t| t as i64);
         }
     } else {
         for_each_share(out, 1, 1, threads, |range, picks| {
             for (row, pick) in range.zip(picks.iter_mut()) {
-                *pick = draw(&logits[row * vocab..(row + 1) * vocab], uniforms[row]).map_or(-1, |t| t as i64);
+                *pick =
+                    draw(&logits[row * vocab..(row + 1) * vocab], uniforms[row], 1).map_or(-1, |t| t as i64);
             }
         });
     }
@@ -64,51 +65,11 @@ pub fn sample_rows(
     Ok(())
 }
 
-/// [`draw_in`] compiled for the widest vectors the CPU has: the two passes over the row are
-/// its time, and `exp` vectorizes.
-fn draw(row: &[f32], u: f64) -> Option<usize> {
-    #[cfg(target_arch = "x86_64")]
-    {
-        #[target_feature(enable = "avx512f,avx2,fma")]
-        unsafe fn widest(row: &[f32], u: f64) -> Option<usize> {
-            draw_in(row, u)
-        }
-        #[target_feature(enable = "avx2,fma")]
-        unsafe fn wide(row: &[f32], u: f64) -> Option<usize> {
-            draw_in(row, u)
-        }
-        if crate::simd::has_avx512f() {
-            // SAFETY: the CPU has every feature `widest` was compiled for.
-            return unsafe { widest(row, u) };
-        }
-        if crate::simd::has_avx2_fma() {
-            // SAFETY: the CPU has every feature `wide` was compiled for.
-            return unsafe { wide(row, u) };
-        }
-    }
-    draw_in(row, u)
-}
-
-/// The token of `row` whose cumulative mass first passes `u` × the row's total; `None` when the
-/// row has no mass.
-#[inline(always)]
-fn draw_in(row: &[f32], u: f64) -> Option<usize> {
-    let max = row_max(row);
-    if !max.is_finite() {
-        return None;
-    }
-    // Plain loops: an iterator adapter's `fold` is a function of its own, compiled without the
-    // caller's vector features (it ran the exponentials four lanes wide).
-    let mut masses = Vec::with_capacity(row.len().div_ceil(BLOCK));
-    for block in row.chunks(BLOCK) {
-        masses.push(block_mass(block, max));
-    }
-    pick(row, u, max, &masses)
-}
-
-/// [`draw_in`] with its two passes (the maximum, then the block masses) split over the team
-/// block by block: each block's values are the one-thread pass's, so the draw is too.
-fn draw_on_team(row: &[f32], u: f64, threads: usize) -> Option<usize> {
+/// The token of `row` whose cumulative mass first passes `u` × the row's total (`None` when the
+/// row has no mass), its two passes (the block maxima, then the block masses) split over up to
+/// `threads` block by block: each block's values do not depend on the split, so neither does
+/// the draw.
+fn draw(row: &[f32], u: f64, threads: usize) -> Option<usize> {
     let blocks = row.len().div_ceil(BLOCK);
     let mut maxes = vec![f32::NEG_INFINITY; blocks];
     for_each_share(&mut maxes, 1, MIN_BLOCKS_PER_THREAD, threads, |range, out| {
@@ -125,6 +86,9 @@ fn draw_on_team(row: &[f32], u: f64, threads: usize) -> Option<usize> {
     pick(row, u, max, &masses)
 }
 
+// Compiled for the widest vectors the CPU has: the two passes are the draw's time, and `exp`
+// vectorizes. Plain loops inside: an iterator adapter's `fold` is a function of its own,
+// compiled without the caller's vector features (it ran the exponentials four lanes wide).
 multiversion!(fn blocks_max<T>(row: &[T], out: &mut [f32]) => blocks_max_body);
 multiversion!(fn blocks_mass<T>(row: &[T], max: f32, out: &mut [f64]) => blocks_mass_body);
 
@@ -281,9 +245,9 @@ mod tests {
             sample_rows(&row, vocab, &[u], &mut split, 2).unwrap();
             sample_rows(&row, vocab, &[u], &mut one, 1).unwrap();
             assert_eq!(split, one, "u {u}");
-            assert_eq!(draw_on_team(&row, u, 2), draw(&row, u));
+            assert_eq!(draw(&row, u, 2), draw(&row, u, 1));
         }
-        assert_eq!(draw_on_team(&[f32::NEG_INFINITY; 2 * MIN_BLOCKS_PER_THREAD * BLOCK], 0.5, 2), None);
+        assert_eq!(draw(&[f32::NEG_INFINITY; 2 * MIN_BLOCKS_PER_THREAD * BLOCK], 0.5, 2), None);
     }
 
     #[test]
