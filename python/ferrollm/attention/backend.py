@@ -19,7 +19,7 @@ import torch
 
 from ferrollm.exceptions import ConfigError
 
-__all__ = ["AttentionMetadata", "allocate_kv_cache", "kv_cache_bytes_per_block"]
+__all__ = ["AttentionMetadata", "allocate_kv_cache", "kv_cache_bytes_per_block", "step_tensor"]
 
 
 class _StepArrays(Protocol):
@@ -94,9 +94,7 @@ class AttentionMetadata:
         device = torch.device(device)
 
         def wrap(a: np.ndarray) -> torch.Tensor:
-            # No `.to` on the CPU: a call that does nothing still costs a dispatch, each step.
-            t = torch.from_numpy(a)
-            return t if device.type == "cpu" else t.to(device, non_blocking=True)
+            return step_tensor(a, device, non_blocking=True)
 
         return cls(
             slot_mapping=wrap(step.slot_mapping),
@@ -110,6 +108,13 @@ class AttentionMetadata:
             max_seq_len=int(seq_lens.max()) if num_reqs else 0,
             block_size=block_size,
         )
+
+
+def step_tensor(array: np.ndarray, device: torch.device, non_blocking: bool = False) -> torch.Tensor:
+    """A step array as a tensor on ``device``: on the CPU the array's own memory, with no `.to`
+    (a call that does nothing still costs a dispatch, several times a step)."""
+    t = torch.from_numpy(array)
+    return t if device.type == "cpu" else t.to(device, non_blocking=non_blocking)
 
 
 def kv_cache_bytes_per_block(

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from ferrollm._core import SamplingOptions, SchedulerOutput
-from ferrollm.attention.backend import AttentionMetadata
+from ferrollm.attention.backend import AttentionMetadata, step_tensor
 from ferrollm.distributed.parallel_state import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 from ferrollm.model_executor.sampler import Sampler, compute_prompt_logprobs
 from ferrollm.model_executor.sampling_metadata import SamplingMetadata
@@ -145,13 +145,13 @@ class ModelRunner:
         if len(step) == 0:
             return np.zeros(0, dtype=np.int64)
         meta = AttentionMetadata.from_step(step, self.block_size, self.device)
-        input_ids = self._tensor(step.input_ids)
+        input_ids = step_tensor(step.input_ids, self.device)
         states = [self.requests[i] for i in step.req_indices.tolist()]
         if self.is_multimodal:
             positions, mm_embeds, meta.image_spans = self._multimodal_step(step, states)
             hidden = self.forward(input_ids, positions, self.kv_caches, meta, mm_embeds=mm_embeds)
         else:
-            positions = self._tensor(step.positions)
+            positions = step_tensor(step.positions, self.device)
             hidden = self.cuda_graphs.execute(input_ids, positions, meta) if self.cuda_graphs else None
             if hidden is None:
                 hidden = self.forward(input_ids, positions, self.kv_caches, meta)
@@ -162,7 +162,7 @@ class ModelRunner:
         sampled = np.zeros(len(step), dtype=np.int64)
         if len(rows) == 0:
             return sampled
-        logits_indices = self._tensor(step.logits_indices[rows])
+        logits_indices = step_tensor(step.logits_indices[rows], self.device)
         logits = self.model.compute_logits(hidden[logits_indices])
         if not self.is_driver:
             return sampled
@@ -173,12 +173,6 @@ class ModelRunner:
         sampled[rows] = out.sampled_token_ids.cpu().numpy()
         self._record_samples(sampling_states, sampled[rows], out)
         return sampled
-
-    def _tensor(self, array: np.ndarray) -> torch.Tensor:
-        """A step array as a tensor on the model's device: on the CPU the array itself, without
-        a `.to` (a dispatch each call, for nothing)."""
-        t = torch.from_numpy(array)
-        return t if self.device.type == "cpu" else t.to(self.device)
 
     def _multimodal_step(self, step: SchedulerOutput, states: list[CachedRequestState]):
         """The step's positions, placeholder embeddings and (for models attending both ways
@@ -191,7 +185,7 @@ class ModelRunner:
             if embeds is not None and getattr(self.model, "bidirectional_mm_attention", False):
                 spans = image_spans(step, mm)
         else:  # the core's positions, replaced by the driver's M-RoPE ones when it sends them
-            positions = torch.from_numpy(step.positions).to(self.device)
+            positions = step_tensor(step.positions, self.device)
         if get_tensor_model_parallel_world_size() > 1:
             positions, embeds, spans = broadcast_multimodal_step(positions, embeds, spans, self.device)
         return positions, embeds, spans
