@@ -124,22 +124,15 @@ def _paged_attention(query, kv_cache, meta, opts, kv_scales):
     if meta.is_decode_only:
         return _decode(query, kv_cache, meta.block_tables, meta.seq_lens, meta.max_seq_len, opts, kv_scales)
     out = torch.empty_like(query)
-    query_lens = meta.query_start_loc[1:] - meta.query_start_loc[:-1]
-    decode_rows = torch.nonzero(query_lens == 1).flatten()
-    if len(decode_rows):
-        tokens = meta.query_start_loc[decode_rows].long()
-        seq_lens = meta.seq_lens[decode_rows]
-        decoded = _decode(query[tokens], kv_cache, meta.block_tables[decode_rows], seq_lens,
-                          int(seq_lens.max()), opts, kv_scales)
-        out.index_copy_(0, tokens, decoded)
-    prefill_rows = torch.nonzero(query_lens > 1).flatten().tolist()
-    starts = meta.query_start_loc.tolist()
-    seq_lens = meta.seq_lens.tolist()
-    computed = meta.num_computed_tokens.tolist()
-    for row in prefill_rows:
-        start, end = starts[row], starts[row + 1]
-        _prefill(query[start:end], kv_cache, meta.block_tables[row], seq_lens[row], computed[row], opts,
-                 out[start:end], kv_scales)
+    rows = meta.rows
+    if rows.decode_max_seq_len:
+        decoded = _decode(query[rows.decode_tokens], kv_cache, rows.decode_block_tables, rows.decode_seq_lens,
+                          rows.decode_max_seq_len, opts, kv_scales)
+        out.index_copy_(0, rows.decode_tokens, decoded)
+    for chunk in rows.prefills:
+        start, end = chunk.start, chunk.end
+        _prefill(query[start:end], kv_cache, meta.block_tables[chunk.row], chunk.seq_len, chunk.num_computed,
+                 opts, out[start:end], kv_scales)
     return out
 
 
