@@ -14,6 +14,7 @@ packed by its kernel form), so loading holds one layer's unpacked bytes at a tim
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 import torch
@@ -220,6 +221,13 @@ class GGUFWeight(_Rows):
         data = self.data.contiguous().numpy()
         return dequantize(data, self.ggml_type, (self.shape[0], self.in_features))
 
+    def as_int(self) -> IntWeight:
+        """The same weight as codes and group scales, exactly (`gguf_blocks`), for kernels that
+        read those rather than the file's blocks."""
+        from ferrollm.model_executor.layers.quantization.gguf_blocks import int_weight
+
+        return int_weight(self.data, self.ggml_type, self.in_features)
+
 
 QuantizedWeight = IntWeight | Int8ActWeight | Fp8Weight | GGUFWeight
 
@@ -251,18 +259,34 @@ def cat(parts: list[QuantizedWeight]) -> QuantizedWeight | list[GGUFWeight]:
 
 
 def _cat_int(parts: list[IntWeight]) -> IntWeight:
+    """Joins projections quantized alike, or in different widths and group sizes (a GGUF
+    Q4_K_M file's q/k Q4_K beside v Q6_K; compressed-tensors groups of their own): those take
+    the widest codes and the common group, values unchanged (`_widened`)."""
     first = parts[0]
     for p in parts[1:]:
-        if (p.bits, p.group_size) != (first.bits, first.group_size):
-            raise CheckpointError(f"fused projections differ in bits/group size: {(first.bits, first.group_size)} "
-                                  f"and {(p.bits, p.group_size)}")
         if (p.perm is None) != (first.perm is None) or (p.perm is not None and not torch.equal(p.perm, first.perm)):
             raise CheckpointError("fused projections (q/k/v or gate/up) have different act-order g_idx; "
                                   "they read the same input, so GPTQ gives them one order")
+    bits = max(p.bits for p in parts)
+    group = math.gcd(*(p.group_size for p in parts))
+    parts = [_widened(p, bits, group) for p in parts]
     has_mins = any(p.mins is not None for p in parts)
     mins = [p.mins if p.mins is not None else torch.zeros_like(p.scales) for p in parts] if has_mins else None
     return IntWeight(torch.cat([p.q for p in parts]), torch.cat([p.scales for p in parts]),
-                     None if mins is None else torch.cat(mins), first.bits, first.group_size, first.perm)
+                     None if mins is None else torch.cat(mins), bits, group, first.perm)
+
+
+def _widened(w: IntWeight, bits: int, group_size: int) -> IntWeight:
+    """``w`` with ``bits``-bit codes and groups of ``group_size`` (which divides its own), the
+    same values: 4-bit codes (0..15, offsets in the mins) are valid int8 codes, and each scale
+    and min repeats over the smaller groups it covers."""
+    q = w.q.to(torch.int8) if bits != w.bits else w.q
+    if group_size == w.group_size:
+        return dataclasses.replace(w, q=q, bits=bits)
+    groups, times = -(-w.shape[1] // group_size), w.group_size // group_size
+    scales = w.scales.repeat_interleave(times, dim=1)[:, :groups]
+    mins = None if w.mins is None else w.mins.repeat_interleave(times, dim=1)[:, :groups]
+    return dataclasses.replace(w, q=q, scales=scales, mins=mins, bits=bits, group_size=group_size)
 
 
 def _cat_fp8(parts: list[Fp8Weight]) -> Fp8Weight:
