@@ -13,7 +13,10 @@ tests/kernels/test_triton_quant.py allows.
 from __future__ import annotations
 
 import dataclasses
+import logging
+import os
 
+import helpers.triton_interpret  # noqa: F401  (must come before ferrollm.kernels.triton)
 import numpy as np
 import pytest
 import torch
@@ -22,18 +25,26 @@ from helpers.gguf_files import quantized_blocks
 
 from ferrollm.exceptions import CheckpointError
 from ferrollm.model_executor.layers.quantization import qweights as qw
+from ferrollm.model_executor.layers.quantization.forms import QuantizedLinear
+from ferrollm.model_executor.layers.quantization.gguf import GGUFConfig
+from ferrollm.model_executor.layers.quantization.saved_state import _SavedMethod, saved_tensors
 
 Q = GGMLQuantizationType
 TYPES = [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K]
 # A Q4_K_M file's attention: q and k Q4_K, v Q6_K; and the legacy types beside each other.
 MIXED = {"k-quants": [(Q.Q4_K, 24), (Q.Q4_K, 8), (Q.Q6_K, 8)],
          "legacy": [(Q.Q4_0, 16), (Q.Q5_1, 8), (Q.Q8_0, 8)]}
+BACKENDS = ["cpu"] + (["triton"] if os.environ.get("TRITON_INTERPRET") == "1" else [])
 
 
 def gguf_weight(qtype, rows: int, blocks_per_row: int, seed: int = 0) -> qw.GGUFWeight:
     block_len, block_bytes = GGML_QUANT_SIZES[qtype]
     data = quantized_blocks(qtype, rows, blocks_per_row * block_len, 0.1, np.random.default_rng(seed))
     return qw.GGUFWeight(torch.from_numpy(data), int(qtype), blocks_per_row * block_len, block_len, block_bytes)
+
+
+def assert_product_close(got: torch.Tensor, want: torch.Tensor) -> None:
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5 * want.abs().max().item())
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
@@ -75,3 +86,78 @@ def test_int_weights_of_other_widths_and_groups_join_too():
     joined = qw.cat([four, eight])
     assert (joined.bits, joined.group_size, joined.q.dtype) == (8, 64, torch.int8)
     assert torch.equal(joined.dequantize(), torch.cat([four.dequantize(), eight.dequantize()]))
+
+
+def form_parts(kind: str) -> list[qw.GGUFWeight]:
+    """One type's weight, or a mixed fused layer's, 256 or 64 inputs wide (short interpreter runs)."""
+    spec = MIXED.get(kind) or [(Q[kind], 12)]
+    blocks = 1 if GGML_QUANT_SIZES[spec[0][0]][0] == 256 else 2
+    return [gguf_weight(t, rows, blocks, seed=i) for i, (t, rows) in enumerate(spec)]
+
+
+def check_form_product(form: QuantizedLinear, parts: list[qw.GGUFWeight]) -> None:
+    weight = torch.cat([p.dequantize() for p in parts])
+    bias = torch.randn(weight.shape[0])
+    for rows in (1, 5):
+        x = torch.randn(rows, weight.shape[1], generator=torch.Generator().manual_seed(rows))
+        got = form.linear(x.to(form.device), bias.to(form.device)).cpu()
+        assert_product_close(got, x @ weight.t() + bias)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kind", [t.name for t in TYPES] + sorted(MIXED))
+def test_the_form_multiplies_like_the_dequantized_weight(kind, backend):
+    """The Triton form reads the blocks as integers; the CPU form reads the blocks themselves
+    (its 8-bit activations are tests/kernels/test_gguf_linear.py's business, so only the Triton
+    one is compared here)."""
+    parts = form_parts(kind)
+    form = QuantizedLinear(parts, torch.device("cpu"), backend=backend)
+    assert form.kind == ("gguf" if backend == "cpu" else "IntWeight")
+    if backend == "triton":
+        assert form.gguf_file_bytes == sum(p.data.numel() for p in parts)
+        check_form_product(form, parts)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"),
+                    reason="needs a CUDA device and TRITON_INTERPRET=0")
+@pytest.mark.parametrize("kind", [t.name for t in TYPES] + sorted(MIXED))
+def test_gpu_form_multiplies_like_the_dequantized_weight(kind):
+    """Compiled on the device (float32 activations take IEEE products there, as here)."""
+    parts = form_parts(kind)
+    form = QuantizedLinear(parts, torch.device("cuda"))
+    assert form.kind == "IntWeight" and form.packed.is_cuda
+    check_form_product(form, parts)
+
+
+@pytest.mark.skipif("triton" not in BACKENDS, reason="needs TRITON_INTERPRET=1 (the Triton form on CPU tensors)")
+def test_a_sharded_triton_form_round_trips_through_sharded_state():
+    """Sharded before the conversion (a row-parallel rank's second half of the columns), saved
+    from the Triton form and loaded back: the same weight, on either kernel family."""
+    parts = [gguf_weight(t, rows, 2, seed=i).narrow(1, 256, 256) for i, (t, rows) in enumerate(MIXED["k-quants"])]
+    form = QuantizedLinear(parts, torch.device("cpu"), backend="triton")
+    again = _SavedMethod().make(saved_tensors(form.saved_weight()))
+    weight = torch.cat([p.dequantize() for p in parts])
+    assert isinstance(again, qw.IntWeight) and torch.equal(again.dequantize(), weight)
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(0))
+    for backend in ("triton", "cpu"):
+        assert_product_close(QuantizedLinear(again, torch.device("cpu"), backend=backend).linear(x, None), x @ weight.t())
+
+
+def test_a_gpu_keeps_the_projections_and_dequantizes_the_vocabulary(caplog):
+    layer = "model.layers.0"
+    types = {"model.embed_tokens.weight": int(Q.Q8_0), "lm_head.weight": int(Q.Q6_K),
+             f"{layer}.self_attn.q_proj.weight": int(Q.Q4_K), f"{layer}.self_attn.k_proj.weight": int(Q.Q4_K),
+             f"{layer}.self_attn.v_proj.weight": int(Q.Q6_K), f"{layer}.self_attn.o_proj.weight": int(Q.Q5_0),
+             f"{layer}.mlp.gate_proj.weight": int(Q.Q2_K), f"{layer}.mlp.up_proj.weight": int(Q.Q4_K)}
+    config = GGUFConfig()
+    config.fused = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+    with caplog.at_level(logging.INFO, logger="ferrollm"):
+        config.bind(types, torch.device("cuda"))
+    kept = {n for n in types if config.keeps(n)}
+    # up_proj is fused with a Q2_K gate_proj, which has no integer form: both are dequantized.
+    assert kept == {f"{layer}.self_attn.{p}_proj.weight" for p in "qkvo"}
+    assert "Q4_K 4.5 -> 6, Q5_0 5.5 -> 9, Q6_K 6.56 -> 10" in caplog.text.replace("'", "")
+    assert "the vocabulary table and LM head are dequantized on this device for now" in caplog.text
+    config.bind(types, torch.device("cpu"))  # unchanged on the CPU: the tables stay blocks too
+    assert {n for n in types if config.keeps(n)} == kept | {"model.embed_tokens.weight", "lm_head.weight"}

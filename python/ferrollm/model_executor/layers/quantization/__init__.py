@@ -131,14 +131,21 @@ def log_quantized_bytes(model: nn.Module, dtype) -> None:
     """Logs what the quantized layers hold against what their weights would take in ``dtype``."""
     from ferrollm.model_executor.layers.quantization.forms import QuantizedLinear
 
-    held, unquantized = {}, 0
+    held, unquantized, gguf_file, gguf_held = {}, 0, 0, 0
     for module in model.modules():
         form = getattr(module, "_cpu", None)
         if isinstance(form, QuantizedLinear):
             held.update(form.tensors())
             unquantized += module.weight.numel() * module.weight.element_size()
+            if form.gguf_file_bytes:
+                gguf_file += form.gguf_file_bytes
+                gguf_held += sum(form.tensors().values())
+    mib = 1 << 20
     if held:
-        mib = 1 << 20
         logger.info("quantized linear weights: %.1f MiB, from %.1f MiB in %s (%.2fx smaller)",
                     sum(held.values()) / mib, unquantized / mib, str(dtype).replace("torch.", ""),
                     unquantized / max(sum(held.values()), 1))
+    if gguf_file:
+        logger.info("GGUF projections: %.1f MiB of the file's blocks held as %.1f MiB of codes and float32 group "
+                    "scales for the Triton kernels (5- and 6-bit codes take a byte each; a fused layer mixing "
+                    "block types takes the widest form)", gguf_file / mib, gguf_held / mib)

@@ -3,9 +3,11 @@
 Built once per layer from the `qweights` row blocks its loaders collected (q, k, v; gate, up; this
 rank's slice), then kept as the only copy: packed for the CPU kernels (`ferrollm.kernels.cpu.quant`,
 `ferrollm.kernels.cpu.gguf`) or the Triton ones (`ferrollm.kernels.triton.quant`) by the device the
-weight lives on. GGUF blocks stay views of the file's mapping, except Q4_0, Q4_1 and Q8_0 where
-the CPU runs their 16-row group product (AVX512-VNNI): those are re-laid once
-(`ferrollm.kernels.cpu.gguf.interleave`, the same bytes) and the file's pages handed back.
+weight lives on. On the CPU, GGUF blocks stay views of the file's mapping, except Q4_0, Q4_1 and
+Q8_0 where the CPU runs their 16-row group product (AVX512-VNNI): those are re-laid once
+(`ferrollm.kernels.cpu.gguf.interleave`, the same bytes) and the file's pages handed back. For
+the Triton kernels they become weight-only integers (`GGUFWeight.as_int`, exact), after the
+loaders sharded them.
 
 Products take float activations ``[rows, in]`` in the model's dtype; the CPU kernels compute in
 float32, so a bf16 model's rows are converted on the way in and out.
@@ -42,6 +44,14 @@ class QuantizedLinear:
 
     def _prepare(self) -> None:
         w = self.source
+        # The file's bytes of GGUF blocks held as integers here (the start-up log compares them).
+        self.gguf_file_bytes = 0
+        if isinstance(w, list) and not self.on_cpu:
+            # The Triton kernels read codes and group scales: the blocks as those, exactly, one
+            # weight for the fused layer (its q/k/v may be of different block types). Decoded on
+            # the device, so only the file's bytes cross to it.
+            self.gguf_file_bytes = sum(s.data.numel() for s in w)
+            w = self.source = qw.cat([dataclasses.replace(s, data=s.data.to(self.device)).as_int() for s in w])
         if isinstance(w, list):  # GGUF segments, each read where the file holds it (CPU only)
             self.kind = "gguf"
             # Stacked along the output features in one kernel call (q, k, v; gate, up).

@@ -4,8 +4,9 @@ layout-neutral form, and reads them back without slicing or re-quantizing.
 
 A layer writes ``<layer>.qweight`` (4-bit values two to a byte, low nibble first; int8; or e4m3
 bytes), its scales (``scales``/``mins``/``perm``, or ``weight_scale``/``input_scale``) and
-``quant_info``, an int64 vector naming the layout and its settings. GGUF blocks are not written
-(their files are already per-tensor, mappable and shared: load the .gguf instead).
+``quant_info``, an int64 vector naming the layout and its settings. GGUF blocks, as the CPU keeps
+them, are not written (their files are already per-tensor, mappable and shared: load the .gguf
+instead); a GGUF layer on a GPU holds weight-only integers (`gguf_blocks`) and is written as those.
 """
 
 from __future__ import annotations
