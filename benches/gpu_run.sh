@@ -6,7 +6,7 @@
 #   bash benches/gpu_run.sh tests      # the gpu-marked tests: kernels, then the engine on cuda
 #   bash benches/gpu_run.sh bench      # side_by_side: startup, mixed, fixed, latency vs HF, bf16
 #   bash benches/gpu_run.sh nanovllm   # nano-vllm's shape: 256 seqs, in/out 100-1023
-#   bash benches/gpu_run.sh models     # quantized and multimodal models on cuda
+#   bash benches/gpu_run.sh models     # quantized (GGUF too) and multimodal models on cuda
 #   bash benches/gpu_run.sh kernels-quant  # the quantized Triton kernels against their references
 #   bash benches/gpu_run.sh quant      # gpu_quant.py: quantized against bf16, 0.5B and 3B shapes
 #   bash benches/gpu_run.sh cpu        # the host CPU's bf16/AMX flags, and the Rust kernel tests on it
@@ -63,9 +63,12 @@ models)
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
     step models 240 $PY -m pytest -q -m gpu tests/e2e/test_gpu_quantized.py tests/e2e/test_gpu_multimodal.py \
         -p no:cacheprovider -rfE --durations=8
+    # GGUF projections as weight-only integers on the Triton kernels, a tiny mixed-type file against the CPU.
+    step gguf 120 $PY -m pytest -q -m gpu tests/e2e/test_gpu_gguf.py -p no:cacheprovider -rfE --durations=4
     ;;
 kernels-quant)
     step kernels_quant 150 $PY -m pytest -q -m gpu tests/kernels/test_triton_quant.py -p no:cacheprovider -rfE
+    step kernels_gguf 90 $PY -m pytest -q -m gpu tests/kernels/test_gguf_int_forms.py -p no:cacheprovider -rfE
     ;;
 quant)
     step gpu_quant_3b 240 $PY benches/gpu_quant.py --bench-dir $BENCH --model qwen2.5-3b --variants bf16,fp8,int8,rtn4 \
