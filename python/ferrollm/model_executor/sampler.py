@@ -76,7 +76,8 @@ class Sampler:
         # A private float32 copy where a stage below works in place on it (or the processed
         # values are returned). Plain sampling at temperature 1 changes nothing in place: the
         # copy would be a pass over R x V floats.
-        logits = logits.to(torch.float32, copy=meta.edits_logits or processed)
+        if meta.edits_logits or processed or logits.dtype != torch.float32:
+            logits = logits.to(torch.float32, copy=True)
         # Raw modes: what the model said, before any processing (vLLM v1's default).
         values = _as_mode(logits, mode) if mode is not None and not processed else None
         logits = self._process_logits_(logits, meta)

@@ -32,7 +32,7 @@ from torch import nn
 from ferrollm import _core
 from ferrollm.attention import cpu_backend
 from ferrollm.attention.selector import get_attn_backend
-from ferrollm.kernels.cpu import _buf, _threads, gemm_bf16, supports
+from ferrollm.kernels.cpu import _buf, _threads, as_contiguous, gemm_bf16, supports
 
 __all__ = ["CpuDecoder", "build_cpu_decoder"]
 
@@ -68,10 +68,10 @@ class CpuDecoder:
         assert caches is not None, "call only where `takes` holds"
         hidden = hidden_states.clone(memory_format=torch.contiguous_format)
         residual = torch.empty_like(hidden)
-        positions = _as(positions, torch.int64)
-        slots = _as(attn_metadata.slot_mapping, torch.int64)
-        tables = _as(attn_metadata.block_tables, torch.int32)
-        lens = _as(attn_metadata.seq_lens, torch.int32)
+        positions = as_contiguous(positions, torch.int64)
+        slots = as_contiguous(attn_metadata.slot_mapping, torch.int64)
+        tables = as_contiguous(attn_metadata.block_tables, torch.int32)
+        lens = as_contiguous(attn_metadata.seq_lens, torch.int32)
         # Every tensor passed by address stays referenced here until the call returns.
         self._core.run(_buf(hidden), _buf(residual), _buf(positions), _buf(slots), _buf(tables), tables.shape[1],
                        _buf(lens), attn_metadata.block_size, _buf(self._cos_sin), caches, _threads())
@@ -89,12 +89,6 @@ class CpuDecoder:
         buffers = [(_buf(c[0]), _buf(c[1])) for c in kv_caches]
         self._caches = (list(kv_caches), buffers)
         return buffers
-
-
-def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``t`` contiguous in ``dtype``; the step's arrays already are, and a conversion that does
-    nothing still costs a dispatch per call (four per decode step)."""
-    return t if t.dtype == dtype and t.is_contiguous() else t.to(dtype).contiguous()
 
 
 def build_cpu_decoder(model: nn.Module) -> CpuDecoder | None:

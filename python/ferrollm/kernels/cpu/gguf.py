@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from ferrollm import _core
-from ferrollm.kernels.cpu import _threads
+from ferrollm.kernels.cpu import _threads, as_contiguous
 from ferrollm.exceptions import KernelError
 
 __all__ = ["InterleavedBlocks", "deinterleave", "dequantize", "dequantize_supported", "embedding", "gguf_linear",
@@ -92,7 +92,7 @@ def embedding(table: torch.Tensor, ggml_type: int, ids: torch.Tensor, dim: int,
     if table.dtype != torch.uint8 or table.dim() != 2 or table.stride(1) != 1:
         raise KernelError(f"`table` must be uint8 [rows, row_bytes] with stride(1) == 1. Given: {table.dtype} "
                           f"{list(table.shape)} strides {list(table.stride())}")
-    flat = ids.reshape(-1).to(torch.int64).contiguous()
+    flat = as_contiguous(ids.reshape(-1), torch.int64)
     decoded = dtype if dtype in _DTYPES else torch.float32
     out = torch.empty(*ids.shape, dim, dtype=decoded)
     span = (table.shape[0] - 1) * table.stride(0) + table.shape[1] if table.shape[0] else 0
@@ -100,7 +100,7 @@ def embedding(table: torch.Tensor, ggml_type: int, ids: torch.Tensor, dim: int,
     _core.cpu_gguf_embedding(int(ggml_type), (table.data_ptr(), span), table.stride(0),
                              (flat.data_ptr(), flat.numel()), _DTYPES[decoded], (out.data_ptr(), out.numel()),
                              _threads())
-    return out.to(dtype)
+    return out if decoded == dtype else out.to(dtype)
 
 
 def gguf_linear_supported(ggml_type: int) -> bool:

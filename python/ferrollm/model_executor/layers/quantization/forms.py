@@ -98,8 +98,9 @@ class QuantizedLinear:
         if self.on_cpu and dtype != torch.float32:
             x = x.float()
             bias = None if bias is None else bias.float()
-        y = self._product(x.contiguous(), bias)
-        return y.to(dtype)
+        y = self._product(x if x.is_contiguous() else x.contiguous(), bias)
+        # Guarded: a no-op `.to` is still a dispatch, and this runs for the LM head every step.
+        return y if y.dtype == dtype else y.to(dtype)
 
     def _product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         k = _kernels(self.on_cpu)
