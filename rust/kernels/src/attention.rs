@@ -16,7 +16,7 @@
 
 pub use crate::cache::KvScales;
 use crate::error::{check_len, KernelError};
-use crate::openmp::for_each_weighted_share;
+use crate::openmp::{for_each_weighted_share, share};
 use crate::paged;
 use crate::simd::{exp, load, SimdElement};
 use portable::attend_portable;
@@ -70,19 +70,21 @@ pub struct DecodeInputs<'a, T, C = T> {
 /// Requests per thread, at least, when threads take whole requests.
 const MIN_ROWS_PER_THREAD: usize = 1;
 
-/// Context tokens a step's requests must see in all before fewer requests than threads share
-/// their KV heads out: below it the ~1.5 us of waking the team costs more than it saves.
-/// Measured on the 2-core Xeon VM, SmolLM2 at batch 1 (3 KV heads, ~150 tokens): attention
-/// ran on one core for ~10% of a decode step while the other waited.
-const MIN_TOKENS_TO_SPLIT_HEADS: usize = 32;
+/// Context tokens a step's requests must see in all before fewer requests than threads split
+/// their contexts: below it the ~1.5 us of waking the team costs more than it saves.
+const MIN_TOKENS_TO_SPLIT: usize = 32;
+
+/// Context tokens of one piece of a split context, at least: one score tile of the AVX-512
+/// kernel.
+const MIN_PIECE_TOKENS: usize = 16;
 
 /// Writes `out[row, head]`, the attention of each row's query over its first `seq_lens[row]`
 /// cached tokens (`out`: `[rows, num_heads, head_dim]`), split over up to `threads`. Threads
 /// take whole requests, all KV heads of one together: a token's keys for every head sit side by
 /// side, so a request's blocks are read front to back. Shares are of equal context length
 /// rather than of equal request count, since a step's contexts can differ tenfold. With fewer
-/// requests than threads (batch-1 decode), threads take KV heads instead, each with the query
-/// heads it serves.
+/// requests than threads (batch-1 decode), the requests' contexts are cut into pieces instead
+/// (see [`split_context`]).
 pub fn paged_decode<T: SimdElement, C: SimdElement>(
     inputs: DecodeInputs<'_, T, C>,
     shape: DecodeShape,
@@ -93,22 +95,28 @@ pub fn paged_decode<T: SimdElement, C: SimdElement>(
     validate(&inputs, &shape, &options, out.len())?;
     let costs: Vec<usize> =
         inputs.seq_lens.iter().map(|&len| visible(len as usize, &options).len()).collect();
-    if costs.len() < threads && costs.iter().sum::<usize>() >= MIN_TOKENS_TO_SPLIT_HEADS {
-        split_heads(&inputs, &shape, &options, &costs, out, threads);
+    if costs.len() < threads && costs.iter().sum::<usize>() >= MIN_TOKENS_TO_SPLIT {
+        split_context(&inputs, &shape, &options, &costs, out, threads);
         return Ok(());
     }
     let row_len = shape.num_heads * shape.head_dim;
     for_each_weighted_share(out, row_len, &costs, MIN_ROWS_PER_THREAD, threads, |rows, out| {
         for (row, out) in rows.zip(out.chunks_exact_mut(row_len)) {
-            attend(&Unit::new(&inputs, &shape, &options, row), options.soft_cap, out);
+            let unit = Unit::new(&inputs, &shape, &options, row, 0..costs[row]);
+            attend(&unit, options.soft_cap, out);
         }
     });
     Ok(())
 }
 
-/// [`paged_decode`]'s work in units of one request's KV head (its query heads' outputs lie side
-/// by side in `out`), shares of equal context length; a thread's share may end inside a request.
-fn split_heads<T: SimdElement, C: SimdElement>(
+/// [`paged_decode`] for fewer requests than threads: each request's visible context is cut into
+/// pieces of consecutive tokens (about `threads` pieces in all, by context length, each of
+/// [`MIN_PIECE_TOKENS`] or more), the pieces shared out by length, each attended on its own
+/// with its heads' log softmax mass kept, and a request's pieces merged by those masses.
+/// Threads then read equal spans of the cache, every KV head of a token at once, where taking
+/// whole KV heads left SmolLM2's three on two threads at two to one. The sums are grouped
+/// differently from one thread's, so the output differs from it by float rounding.
+fn split_context<T: SimdElement, C: SimdElement>(
     inputs: &DecodeInputs<'_, T, C>,
     shape: &DecodeShape,
     options: &DecodeOptions,
@@ -116,20 +124,56 @@ fn split_heads<T: SimdElement, C: SimdElement>(
     out: &mut [T],
     threads: usize,
 ) {
-    let kv_heads = shape.num_kv_heads;
-    let head_len = shape.num_heads / kv_heads * shape.head_dim;
-    let head_costs: Vec<usize> = costs.iter().flat_map(|&c| std::iter::repeat_n(c, kv_heads)).collect();
-    for_each_weighted_share(out, head_len, &head_costs, 1, threads, |units, mut out| {
-        let mut unit = units.start;
-        while unit < units.end {
-            let (row, first) = (unit / kv_heads, unit % kv_heads);
-            let last = (units.end - row * kv_heads).min(kv_heads);
-            let (piece, rest) = out.split_at_mut((last - first) * head_len);
-            let heads = Unit::new(inputs, shape, options, row).kv_heads_only(first..last);
-            attend(&heads, options.soft_cap, piece);
-            (out, unit) = (rest, row * kv_heads + last);
+    let total: usize = costs.iter().sum();
+    let pieces: Vec<(usize, std::ops::Range<usize>)> = costs
+        .iter()
+        .enumerate()
+        .flat_map(|(row, &n)| {
+            let parts = (threads * n).div_ceil(total.max(1)).min(n / MIN_PIECE_TOKENS).max(1);
+            (0..parts).map(move |part| (row, share(n, part, parts)))
+        })
+        .collect();
+    let (heads, row_len) = (shape.num_heads, shape.num_heads * shape.head_dim);
+    // Each piece's outputs, then its heads' log masses.
+    let piece_len = row_len + heads;
+    let mut partial = vec![0.0f32; pieces.len() * piece_len];
+    let lengths: Vec<usize> = pieces.iter().map(|(_, tokens)| tokens.len()).collect();
+    for_each_weighted_share(&mut partial, piece_len, &lengths, 1, threads, |units, partial| {
+        for (piece, partial) in units.zip(partial.chunks_exact_mut(piece_len)) {
+            let (row, tokens) = pieces[piece].clone();
+            let (values, log_mass) = partial.split_at_mut(row_len);
+            let masses = attend(&Unit::new(inputs, shape, options, row, tokens), options.soft_cap, values);
+            log_mass.copy_from_slice(&masses);
         }
     });
+    let mut at = 0;
+    for (row, out) in out.chunks_exact_mut(row_len).enumerate() {
+        let count = pieces[at..].iter().take_while(|(r, _)| *r == row).count();
+        merge_pieces(&partial[at * piece_len..][..count * piece_len], heads, shape.head_dim, out);
+        at += count;
+    }
+}
+
+/// One request's output from its pieces (each `heads x dim` outputs, then `heads` log masses):
+/// per head, the pieces' outputs weighted by their share of the head's softmax mass.
+fn merge_pieces<T: SimdElement>(pieces: &[f32], heads: usize, dim: usize, out: &mut [T]) {
+    let piece_len = heads * dim + heads;
+    for h in 0..heads {
+        let log_mass = |p: &[f32]| p[heads * dim + h];
+        let top = pieces.chunks_exact(piece_len).map(log_mass).fold(f32::NEG_INFINITY, f32::max);
+        let mut sum = vec![0.0f32; dim];
+        let mut weight = 0.0f32;
+        for piece in pieces.chunks_exact(piece_len) {
+            let w = (log_mass(piece) - top).exp();
+            weight += w;
+            for (s, v) in sum.iter_mut().zip(&piece[h * dim..][..dim]) {
+                *s += w * v;
+            }
+        }
+        for (o, s) in out[h * dim..][..dim].iter_mut().zip(sum) {
+            *o = T::from_f32(s / weight);
+        }
+    }
 }
 
 /// The context positions a query at the end of `seq_len` tokens sees.
@@ -155,15 +199,19 @@ struct Unit<'a, C> {
 }
 
 impl<'a, C: SimdElement> Unit<'a, C> {
+    /// Request `row`'s query over `tokens`, a range of the positions it sees (see [`visible`]:
+    /// `0..n` is all `n` of them).
     fn new<T: SimdElement>(
         inputs: &DecodeInputs<'a, T, C>,
         shape: &DecodeShape,
         options: &DecodeOptions,
         row: usize,
+        tokens: std::ops::Range<usize>,
     ) -> Self {
         let (dim, kv_heads) = (shape.head_dim, shape.num_kv_heads);
         let table = &inputs.block_tables[row * shape.max_blocks_per_seq..];
-        let slots = visible(inputs.seq_lens[row] as usize, options)
+        let first = visible(inputs.seq_lens[row] as usize, options).start;
+        let slots = (first + tokens.start..first + tokens.end)
             .map(|t| paged::slot(table, t, shape.block_size, kv_heads * dim))
             .collect();
         let row_len = shape.num_heads * dim;
@@ -187,24 +235,13 @@ impl<'a, C: SimdElement> Unit<'a, C> {
     }
 }
 
-impl<C> Unit<'_, C> {
-    /// This request's KV heads `heads` alone, with the query heads they serve: inside a token's
-    /// slot the heads' keys (and values) sit side by side, so the slots move along by the heads
-    /// left out and the kernels run unchanged.
-    fn kv_heads_only(self, heads: std::ops::Range<usize>) -> Self {
-        let (skip, head_len) = (heads.start * self.dim, self.group * self.dim);
-        Unit {
-            query: self.query[heads.start * head_len..heads.end * head_len].to_vec(),
-            slots: self.slots.iter().map(|s| s + skip).collect(),
-            kv_heads: heads.len(),
-            ..self
-        }
-    }
-}
-
 /// One unit through the AVX-512 kernel, else the AVX2 one, where the CPU and head size allow,
-/// else the portable one.
-fn attend<T: SimdElement, C: SimdElement>(unit: &Unit<'_, C>, soft_cap: Option<f32>, out: &mut [T]) {
+/// else the portable one. Returns each query head's log softmax mass (see [`Softmax`]).
+fn attend<T: SimdElement, C: SimdElement>(
+    unit: &Unit<'_, C>,
+    soft_cap: Option<f32>,
+    out: &mut [T],
+) -> Vec<f32> {
     #[cfg(target_arch = "x86_64")]
     if avx512::supports(unit.dim) {
         // SAFETY: the CPU has AVX-512F, the head size is supported, and `Unit::new` took its
@@ -217,7 +254,7 @@ fn attend<T: SimdElement, C: SimdElement>(unit: &Unit<'_, C>, soft_cap: Option<f
         // rows from inputs `validate` checked.
         return unsafe { avx2::attend(unit, soft_cap, out) };
     }
-    attend_portable(unit, soft_cap, out);
+    attend_portable(unit, soft_cap, out)
 }
 
 fn validate<T, C>(
@@ -265,12 +302,41 @@ fn validate<T, C>(
 /// two AVX2 registers of f32.
 const TILE: usize = 16;
 
-/// Soft-caps the scores if asked, replaces each by `exp(score - max)` and returns their sum: the
-/// softmax of every kernel, short of the division. Inlined into each, so it is compiled with
-/// their instructions. Max and sum go in [`TILE`] lanes: a sum in one float is a chain of
-/// dependent adds, which took the AVX-512 kernel more time than its exponentials.
+/// The softmax of `heads` query heads' scores (head `h`'s `n` scores at `h * padded`), short
+/// of the division: the scores become their numerators, and per head come back what the
+/// kernels divide by (the value scale folded in) and the log of the head's mass
+/// (`max + ln(sum)`), by which [`merge_pieces`] weighs pieces of one context.
+struct Softmax {
+    totals: Vec<f32>,
+    log_masses: Vec<f32>,
+}
+
+impl Softmax {
+    #[inline(always)]
+    fn of(
+        scores: &mut [f32],
+        padded: usize,
+        n: usize,
+        heads: usize,
+        soft_cap: Option<f32>,
+        value_scale: f32,
+    ) -> Self {
+        let (mut totals, mut log_masses) = (Vec::with_capacity(heads), Vec::with_capacity(heads));
+        for h in 0..heads {
+            let (max, sum) = softmax_numerators(&mut scores[h * padded..][..n], soft_cap);
+            totals.push(sum / value_scale);
+            log_masses.push(max + sum.ln());
+        }
+        Softmax { totals, log_masses }
+    }
+}
+
+/// Soft-caps the scores if asked, replaces each by `exp(score - max)` and returns the max and
+/// their sum: the softmax of every kernel, short of the division. Inlined into each, so it is
+/// compiled with their instructions. Max and sum go in [`TILE`] lanes: a sum in one float is a
+/// chain of dependent adds, which took the AVX-512 kernel more time than its exponentials.
 #[inline(always)]
-fn softmax_numerators(scores: &mut [f32], soft_cap: Option<f32>) -> f32 {
+fn softmax_numerators(scores: &mut [f32], soft_cap: Option<f32>) -> (f32, f32) {
     if let Some(cap) = soft_cap {
         for s in scores.iter_mut() {
             *s = cap * (*s / cap).tanh();
@@ -296,7 +362,7 @@ fn softmax_numerators(scores: &mut [f32], soft_cap: Option<f32>) -> f32 {
         *s = exp(*s - max);
         tail += *s;
     }
-    sums.iter().sum::<f32>() + tail
+    (max, sums.iter().sum::<f32>() + tail)
 }
 
 #[cfg(test)]

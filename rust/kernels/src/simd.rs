@@ -137,17 +137,17 @@ mod x86 {
 /// AVX-512 or AVX2/FMA compilation when the CPU has it. The loops vectorize to 16 lanes under
 /// AVX-512: SiLU-and-mul, whose exponential and division are the work, ran ~2x as fast.
 macro_rules! multiversion {
-    (fn $name:ident<$t:ident>($($arg:ident: $ty:ty),* $(,)?) => $body:ident) => {
+    (fn $name:ident<$t:ident>($($arg:ident: $ty:ty),* $(,)?) $(-> $ret:ty)? => $body:ident) => {
         #[inline]
-        fn $name<$t: Element>($($arg: $ty),*) {
+        fn $name<$t: Element>($($arg: $ty),*) $(-> $ret)? {
             #[cfg(target_arch = "x86_64")]
             {
                 #[target_feature(enable = "avx512f,avx2,fma")]
-                unsafe fn widest<$t: Element>($($arg: $ty),*) {
+                unsafe fn widest<$t: Element>($($arg: $ty),*) $(-> $ret)? {
                     $body::<$t>($($arg),*)
                 }
                 #[target_feature(enable = "avx2,fma")]
-                unsafe fn wide<$t: Element>($($arg: $ty),*) {
+                unsafe fn wide<$t: Element>($($arg: $ty),*) $(-> $ret)? {
                     $body::<$t>($($arg),*)
                 }
                 if crate::simd::has_avx512f() {
@@ -163,17 +163,17 @@ macro_rules! multiversion {
         }
     };
     // Two element types: the first is the output's, the second the one read (an fp8 cache).
-    ($vis:vis fn $name:ident<$t:ident, $c:ident>($($arg:ident: $ty:ty),* $(,)?) => $body:ident) => {
+    ($vis:vis fn $name:ident<$t:ident, $c:ident>($($arg:ident: $ty:ty),* $(,)?) $(-> $ret:ty)? => $body:ident) => {
         #[inline]
-        $vis fn $name<$t: Element, $c: Element>($($arg: $ty),*) {
+        $vis fn $name<$t: Element, $c: Element>($($arg: $ty),*) $(-> $ret)? {
             #[cfg(target_arch = "x86_64")]
             {
                 #[target_feature(enable = "avx512f,avx2,fma")]
-                unsafe fn widest<$t: Element, $c: Element>($($arg: $ty),*) {
+                unsafe fn widest<$t: Element, $c: Element>($($arg: $ty),*) $(-> $ret)? {
                     $body::<$t, $c>($($arg),*)
                 }
                 #[target_feature(enable = "avx2,fma")]
-                unsafe fn wide<$t: Element, $c: Element>($($arg: $ty),*) {
+                unsafe fn wide<$t: Element, $c: Element>($($arg: $ty),*) $(-> $ret)? {
                     $body::<$t, $c>($($arg),*)
                 }
                 if crate::simd::has_avx512f() {

@@ -19,7 +19,7 @@
 
 use std::arch::x86_64::*;
 
-use super::{softmax_numerators, Unit};
+use super::{Softmax, Unit};
 use crate::element::Element;
 use crate::simd::{prefetch, Lanes};
 
@@ -43,18 +43,21 @@ pub(super) fn supports(head_dim: usize) -> bool {
 /// The CPU must have AVX2 and FMA, `supports(unit.dim)` must hold, and `unit` must address
 /// readable rows (as [`Unit`] promises once built from validated inputs).
 #[target_feature(enable = "avx2,fma")]
-pub(super) unsafe fn attend<T: Element, C: Lanes>(unit: &Unit<'_, C>, soft_cap: Option<f32>, out: &mut [T]) {
+pub(super) unsafe fn attend<T: Element, C: Lanes>(
+    unit: &Unit<'_, C>,
+    soft_cap: Option<f32>,
+    out: &mut [T],
+) -> Vec<f32> {
     let (n, heads, dim) = (unit.slots.len(), unit.kv_heads * unit.group, unit.dim);
     let padded = n.div_ceil(TOKENS) * TOKENS;
     let mut scores = vec![0.0f32; heads * padded];
     score_all(unit, &mut scores, padded);
-    let totals: Vec<f32> = (0..heads)
-        .map(|h| softmax_numerators(&mut scores[h * padded..][..n], soft_cap) / unit.value_scale)
-        .collect();
+    let softmax = Softmax::of(&mut scores, padded, n, heads, soft_cap, unit.value_scale);
+    let totals = &softmax.totals;
     let values = gather_values(unit);
     for (kv_head, values) in values.chunks_exact(n * dim).enumerate() {
         for first in (kv_head * unit.group..(kv_head + 1) * unit.group).step_by(HEADS_PER_PASS) {
-            let pass = Pass { values, dim, scores: &scores, padded, first, totals: &totals };
+            let pass = Pass { values, dim, scores: &scores, padded, first, totals };
             match (kv_head + 1) * unit.group - first {
                 1 => pass.run::<T, 1>(out),
                 2 => pass.run::<T, 2>(out),
@@ -63,6 +66,7 @@ pub(super) unsafe fn attend<T: Element, C: Lanes>(unit: &Unit<'_, C>, soft_cap: 
             }
         }
     }
+    softmax.log_masses
 }
 
 /// `scores[h * padded + t] = q_h · k_t` for every query head and every context token. Tiles of

@@ -21,7 +21,7 @@
 
 use std::arch::x86_64::*;
 
-use super::{softmax_numerators, Unit};
+use super::{Softmax, Unit};
 use crate::element::Element;
 use crate::simd::{has_avx512f, prefetch_l2, Lanes};
 
@@ -56,21 +56,24 @@ pub(super) fn supports(head_dim: usize) -> bool {
 /// `supports(unit.dim)` must hold, and `unit` must address readable rows (as [`Unit`] promises
 /// once built from validated inputs).
 #[target_feature(enable = "avx512f")]
-pub(super) unsafe fn attend<T: Element, C: Lanes>(unit: &Unit<'_, C>, soft_cap: Option<f32>, out: &mut [T]) {
+pub(super) unsafe fn attend<T: Element, C: Lanes>(
+    unit: &Unit<'_, C>,
+    soft_cap: Option<f32>,
+    out: &mut [T],
+) -> Vec<f32> {
     let (n, heads, dim, group) = (unit.slots.len(), unit.kv_heads * unit.group, unit.dim, unit.group);
     let padded = n.div_ceil(TOKENS) * TOKENS;
     let mut scores = vec![0.0f32; heads * padded];
     score_all(unit, &mut scores, padded);
-    let totals: Vec<f32> = (0..heads)
-        .map(|h| softmax_numerators(&mut scores[h * padded..][..n], soft_cap) / unit.value_scale)
-        .collect();
+    let softmax = Softmax::of(&mut scores, padded, n, heads, soft_cap, unit.value_scale);
+    let totals = &softmax.totals;
     for kv_head in 0..unit.kv_heads {
         let group_end = (kv_head + 1) * group;
         for first in (kv_head * group..group_end).step_by(MAX_HEADS) {
             let heads = MAX_HEADS.min(group_end - first);
             let run = run_length(dim / LANES, (MAX_ACCUMULATORS / heads).min(MAX_VECTORS));
             for col in (0..dim).step_by(run * LANES) {
-                let pass = Pass { unit, scores: &scores, padded, totals: &totals, first, kv_head, col };
+                let pass = Pass { unit, scores: &scores, padded, totals, first, kv_head, col };
                 match run {
                     1 => pass.run_heads::<T, 1>(heads, out),
                     2 => pass.run_heads::<T, 2>(heads, out),
@@ -80,6 +83,7 @@ pub(super) unsafe fn attend<T: Element, C: Lanes>(unit: &Unit<'_, C>, soft_cap: 
             }
         }
     }
+    softmax.log_masses
 }
 
 /// `scores[h * padded + t] = q_h · k_t` for every query head and every context token. While a

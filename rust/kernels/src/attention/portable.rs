@@ -2,11 +2,11 @@
 //! AVX2/FMA and for neither, picked at run time), for head sizes and CPUs the intrinsics kernels
 //! do not take, and as their reference in the tests.
 
-use super::{softmax_numerators, Unit, TILE};
+use super::{Softmax, Unit, TILE};
 use crate::element::Element;
 use crate::simd::{axpy, load, multiversion, prefetch};
 
-multiversion!(pub(super) fn attend_portable<T, C>(unit: &Unit<'_, C>, soft_cap: Option<f32>, out: &mut [T]) => attend_portable_body);
+multiversion!(pub(super) fn attend_portable<T, C>(unit: &Unit<'_, C>, soft_cap: Option<f32>, out: &mut [T]) -> Vec<f32> => attend_portable_body);
 
 /// Value rows requested ahead of the one being summed.
 const PREFETCH_AHEAD: usize = 8;
@@ -20,11 +20,17 @@ const PREFETCH_AHEAD: usize = 8;
 /// would end in a horizontal sum costing more than its multiply-adds at `head_dim = 64`. This is
 /// the kernel for head sizes and CPUs the AVX2 one (`avx2`) does not take.
 #[inline(always)]
-fn attend_portable_body<T: Element, C: Element>(unit: &Unit<'_, C>, soft_cap: Option<f32>, out: &mut [T]) {
+fn attend_portable_body<T: Element, C: Element>(
+    unit: &Unit<'_, C>,
+    soft_cap: Option<f32>,
+    out: &mut [T],
+) -> Vec<f32> {
     let head_len = unit.group * unit.dim;
+    let mut log_masses = Vec::with_capacity(unit.kv_heads * unit.group);
     for (kv_head, out) in out.chunks_exact_mut(head_len).enumerate() {
-        attend_portable_head(unit, kv_head, soft_cap, out);
+        log_masses.extend(attend_portable_head(unit, kv_head, soft_cap, out));
     }
+    log_masses
 }
 
 /// The portable kernel for the query heads sharing KV head `kv_head`.
@@ -34,7 +40,7 @@ fn attend_portable_head<T: Element, C: Element>(
     kv_head: usize,
     soft_cap: Option<f32>,
     out: &mut [T],
-) {
+) -> Vec<f32> {
     let (dim, group, n) = (unit.dim, unit.group, unit.slots.len());
     let query = &unit.query[kv_head * group * dim..][..group * dim];
     // Scores padded to whole tiles; the padding is never read back.
@@ -62,9 +68,8 @@ fn attend_portable_head<T: Element, C: Element>(
             scores[g * padded + tile_start..][..TILE].copy_from_slice(&tile);
         }
     }
-    let totals: Vec<f32> = (0..group)
-        .map(|g| softmax_numerators(&mut scores[g * padded..][..n], soft_cap) / unit.value_scale)
-        .collect();
+    let softmax = Softmax::of(&mut scores, padded, n, group, soft_cap, unit.value_scale);
+    let totals = &softmax.totals;
     let mut acc = vec![0.0f32; group * dim];
     let mut value = vec![0.0f32; dim];
     for t in 0..PREFETCH_AHEAD.min(n) {
@@ -85,6 +90,7 @@ fn attend_portable_head<T: Element, C: Element>(
             *o = T::from_f32(a * inv);
         }
     }
+    softmax.log_masses
 }
 
 /// `q . k_j` for the `TILE` keys of `keys_t` (`[head_dim, TILE]`). Four partial tiles, so four

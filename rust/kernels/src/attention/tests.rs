@@ -69,21 +69,33 @@ impl Case {
         let mut out = vec![0.0; self.lens.len() * row_len];
         let inputs = self.inputs();
         for (row, out) in out.chunks_exact_mut(row_len).enumerate() {
-            kernel(&Unit::new(&inputs, &self.shape, options, row), out);
+            kernel(&whole_context(&inputs, &self.shape, options, row), out);
         }
         out
     }
+}
+
+/// Request `row`'s unit over every position it sees.
+fn whole_context<'a, C: SimdElement>(
+    inputs: &DecodeInputs<'a, f32, C>,
+    shape: &DecodeShape,
+    options: &DecodeOptions,
+    row: usize,
+) -> Unit<'a, C> {
+    let n = visible(inputs.seq_lens[row] as usize, options).len();
+    Unit::new(inputs, shape, options, row, 0..n)
 }
 
 fn options(head_dim: usize, sliding_window: Option<usize>, soft_cap: Option<f32>) -> DecodeOptions {
     DecodeOptions { scale: (head_dim as f32).powf(-0.5), sliding_window, soft_cap }
 }
 
+/// A kernel as the tests call it: outputs written, log masses returned.
+type Kernel = Box<dyn Fn(&Unit<'_, f32>, Option<f32>, &mut [f32]) -> Vec<f32>>;
+
 /// Every kernel this CPU runs, by name; each takes the head sizes `supports` admits.
-#[allow(clippy::type_complexity)]
-fn kernels(head_dim: usize) -> Vec<(&'static str, Box<dyn Fn(&Unit<'_, f32>, Option<f32>, &mut [f32])>)> {
-    let mut all: Vec<(&'static str, Box<dyn Fn(&Unit<'_, f32>, Option<f32>, &mut [f32])>)> =
-        vec![("portable", Box::new(attend_portable))];
+fn kernels(head_dim: usize) -> Vec<(&'static str, Kernel)> {
+    let mut all: Vec<(&'static str, Kernel)> = vec![("portable", Box::new(attend_portable))];
     #[cfg(target_arch = "x86_64")]
     {
         if crate::simd::has_avx2_fma() && avx2::supports(head_dim) {
@@ -111,7 +123,9 @@ fn every_kernel_matches_the_reference() {
         for opts in [options(dim, None, None), options(dim, Some(24), None), options(dim, None, Some(2.0))] {
             let want = case.reference(&opts);
             for (name, kernel) in kernels(dim) {
-                let got = case.run(&opts, |u, o| kernel(u, opts.soft_cap, o));
+                let got = case.run(&opts, |u, o| {
+                    kernel(u, opts.soft_cap, o);
+                });
                 assert_near(&got, &want, &format!("{name} {heads}/{kv_heads}x{dim} {opts:?}"));
             }
         }
@@ -146,20 +160,32 @@ fn check_quantized_cache<C: SimdElement>(case: Case, scales: KvScales) {
         let run = |kernel: &dyn Fn(&Unit<'_, C>, &mut [f32])| {
             let mut out = vec![0.0f32; want.len()];
             for (row, out) in out.chunks_exact_mut(row_len).enumerate() {
-                kernel(&Unit::new(&inputs, &shape, &opts, row), out);
+                kernel(&whole_context(&inputs, &shape, &opts, row), out);
             }
             out
         };
-        assert_near(&run(&|u, o| attend_portable(u, opts.soft_cap, o)), &want, "portable");
+        assert_near(
+            &run(&|u, o| {
+                attend_portable(u, opts.soft_cap, o);
+            }),
+            &want,
+            "portable",
+        );
         #[cfg(target_arch = "x86_64")]
         {
             if crate::simd::has_avx2_fma() && avx2::supports(dim) {
                 // SAFETY: checked just above; the units come from consistent inputs.
-                assert_near(&run(&|u, o| unsafe { avx2::attend(u, opts.soft_cap, o) }), &want, "avx2");
+                let got = run(&|u, o| {
+                    unsafe { avx2::attend(u, opts.soft_cap, o) };
+                });
+                assert_near(&got, &want, "avx2");
             }
             if avx512::supports(dim) {
                 // SAFETY: as above.
-                assert_near(&run(&|u, o| unsafe { avx512::attend(u, opts.soft_cap, o) }), &want, "avx512");
+                let got = run(&|u, o| {
+                    unsafe { avx512::attend(u, opts.soft_cap, o) };
+                });
+                assert_near(&got, &want, "avx512");
             }
         }
         let mut out = vec![0.0f32; want.len()];
@@ -175,6 +201,8 @@ fn fp8_caches_with_scales_match_the_reference_through_every_kernel() {
     for (heads, kv_heads, dim) in [(14, 2, 64), (4, 2, 40), (8, 1, 16)] {
         check_quantized_cache::<Fp8E4m3>(Case::new(heads, kv_heads, dim, &[1, 17, 70]), scales);
         check_quantized_cache::<Fp8E5m2>(Case::new(heads, kv_heads, dim, &[1, 17, 70]), scales);
+        // One request on two threads: its context split in two, the scales in both pieces.
+        check_quantized_cache::<Fp8E4m3>(Case::new(heads, kv_heads, dim, &[70]), scales);
     }
 }
 
@@ -188,25 +216,39 @@ fn a_nonpositive_cache_scale_is_refused() {
 }
 
 #[test]
-fn fewer_requests_than_threads_share_out_their_kv_heads_as_one_thread_does() {
-    // 1 request of 3 KV heads on 2 threads (a thread's share ends mid-request), 2 requests on
-    // 3 and 4 threads, 1 request with one KV head; and one too short to split.
+fn fewer_requests_than_threads_split_their_contexts_and_merge_them_like_the_reference() {
+    // 1 request of 3 KV heads on 2 threads, 2 requests on 3 and 4 threads (one long, one short:
+    // the long one takes more pieces), 1 request with one KV head, one too short to split, and
+    // one just long enough for two pieces; with a window and a soft cap.
     for (heads, kv_heads, lens, threads) in [
         (9, 3, vec![150], 2),
         (14, 2, vec![200, 33], 3),
         (14, 2, vec![40, 90], 4),
         (4, 1, vec![100], 2),
         (9, 3, vec![20], 2),
+        (9, 3, vec![32], 2),
     ] {
         let case = Case::new(heads, kv_heads, 64, &lens);
-        let opts = options(64, None, None);
-        let mut one = vec![0.0; case.query.len()];
-        paged_decode(case.inputs(), case.shape, opts, &mut one, 1).unwrap();
-        let mut split = vec![f32::NAN; case.query.len()];
-        paged_decode(case.inputs(), case.shape, opts, &mut split, threads).unwrap();
-        assert_eq!(split, one, "{heads}/{kv_heads} heads, lens {lens:?}, {threads} threads");
-        assert_near(&split, &case.reference(&opts), "paged_decode");
+        for opts in [options(64, None, None), options(64, Some(24), None), options(64, None, Some(2.0))] {
+            let label = format!("{heads}/{kv_heads} heads, lens {lens:?}, {threads} threads, {opts:?}");
+            let mut split = vec![f32::NAN; case.query.len()];
+            paged_decode(case.inputs(), case.shape, opts, &mut split, threads).unwrap();
+            assert_near(&split, &case.reference(&opts), &label);
+        }
     }
+}
+
+#[test]
+fn merged_pieces_weigh_each_by_its_share_of_the_softmax_mass() {
+    // Two pieces of one head of dim 2: masses e^1 and e^3 (log masses 1 and 3).
+    let pieces = [1.0, 2.0, 1.0, /* piece 2 */ 5.0, 6.0, 3.0];
+    let mut out = [0.0f32; 2];
+    merge_pieces(&pieces, 1, 2, &mut out);
+    let w = 1.0 / (1.0 + 2f32.exp());
+    assert_near(&out, &[w * 1.0 + (1.0 - w) * 5.0, w * 2.0 + (1.0 - w) * 6.0], "two pieces");
+    // One piece is copied as it is.
+    merge_pieces(&pieces[..3], 1, 2, &mut out);
+    assert_eq!(out, [1.0, 2.0]);
 }
 
 #[test]
