@@ -21,7 +21,10 @@ Bounds: batch-1 decode reads every weight once per token (the tied embeddings on
 head), so its bound is the measured read bandwidth (benches/roofline.py) over the weight bytes of
 the file as stored (GGUF tensors, or safetensors, including their fp32 norms and biases and, for
 compressed-tensors, the unquantized fp32 embedding), or over params x 4 / x 2 for fp32 / bf16.
-Each engine's resident weight bytes come beside them: ferrollm's from its start-up log (every
+The bandwidth is read again before every engine's run and the bound takes the highest reading:
+on a shared host a neighbour can halve it for minutes, and one reading taken in such a dip made
+every engine look past its bound (2026-11-27: 11.9 GB/s at the start, while the runs after it
+streamed 17-19). Each engine's resident weight bytes come beside them: ferrollm's from its start-up log (every
 weight it holds, quantized or not), llama.cpp's from ``llama_model_size``.
 """
 
@@ -95,16 +98,34 @@ def measure_bounds(args, paths: dict[str, Path]) -> dict:
     import torch
 
     torch.set_num_threads(args.threads)
-    machine = {"threads": args.threads, "bandwidth": roofline.memory_bandwidth(),
-               "matmul_flops": roofline.matmul_flops("float32")}
-    read = machine["bandwidth"]["read_bytes_per_s"]
+    bandwidth = roofline.memory_bandwidth()
+    machine = {"threads": args.threads, "bandwidth": bandwidth, "matmul_flops": roofline.matmul_flops("float32"),
+               "read_readings": [bandwidth["read_bytes_per_s"]]}
     variants = {}
     for name, path in paths.items():
         size = roofline.model_size(path)
-        nbytes = decode_bytes(name, path, size)
-        variants[name] = {"file": path.name, "file_bytes": _file_bytes(path), "decode_bytes": nbytes,
-                          "params": size["params"], "batch1_tokens_per_s": read / nbytes}
-    return {**machine, "variants": variants}
+        variants[name] = {"file": path.name, "file_bytes": _file_bytes(path),
+                          "decode_bytes": decode_bytes(name, path, size), "params": size["params"]}
+    roof = {**machine, "variants": variants}
+    _set_bounds(roof)
+    return roof
+
+
+def read_again(roof: dict) -> None:
+    """Another reading of the read bandwidth (before each engine's run); the bounds take the
+    highest so far."""
+    import torch
+
+    torch.set_num_threads(roof["threads"])
+    roof["read_readings"].append(roofline.memory_bandwidth(repeats=3)["read_bytes_per_s"])
+    _set_bounds(roof)
+
+
+def _set_bounds(roof: dict) -> None:
+    read = max(roof["read_readings"])
+    roof["bandwidth"]["read_bytes_per_s"] = read
+    for variant in roof["variants"].values():
+        variant["batch1_tokens_per_s"] = read / variant["decode_bytes"]
 
 
 def _file_bytes(path: Path) -> int:
@@ -161,6 +182,8 @@ def main_quant(args) -> None:
     for i in range(args.rounds):
         for name, engine in plan:
             print(f"round {i + 1}/{args.rounds}: {name}", end=" ", file=sys.stderr, flush=True)
+            if "roofline" in report:
+                read_again(report["roofline"])
             load = os.getloadavg()
             figures = run_engine(_run_args(args, name), engine, paths[name], workloads, requests[VARIANTS[name].model])
             figures["loadavg"] = [load[0], os.getloadavg()[0]]

@@ -108,9 +108,12 @@ def _machine(report: dict) -> list[str]:
     if roof is None:
         return ["roofline: not measured"]
     bw = roof["bandwidth"]["read_bytes_per_s"] / 1e9
+    readings = roof.get("read_readings", [])
+    spread = (f" (the highest of {len(readings)} readings, one before each run: "
+              f"{min(readings) / 1e9:.1f}-{max(readings) / 1e9:.1f})") if len(readings) > 1 else ""
     peaks = f"fp32 {roof['matmul_flops']['peak'] / 1e9:.0f}"
-    return [(f"machine ({roof['threads']} threads): read bandwidth {bw:.1f} GB/s, matmul peak (GFLOP/s) {peaks}; "
-             "bound = read bandwidth / weight bytes read per decode step")]
+    return [(f"machine ({roof['threads']} threads): read bandwidth {bw:.1f} GB/s{spread}, matmul peak (GFLOP/s) "
+             f"{peaks}; bound = read bandwidth / weight bytes read per decode step")]
 
 
 def format_quant_report(report: dict) -> str:
