@@ -112,10 +112,27 @@ def test_the_form_multiplies_like_the_dequantized_weight(kind, backend):
     one is compared here)."""
     parts = form_parts(kind)
     form = QuantizedLinear(parts, torch.device("cpu"), backend=backend)
-    assert form.kind == ("gguf" if backend == "cpu" else "IntWeight")
+    assert form.kind == ("gguf" if backend == "cpu" else _triton_kind(kind))
     if backend == "triton":
         assert form.gguf_file_bytes == sum(p.data.numel() for p in parts)
         check_form_product(form, parts)
+
+
+def _triton_kind(kind: str) -> str:
+    """One weight for a single type; a mixed fused layer keeps one part per run of alike
+    projections, so no rows are widened."""
+    return "parts" if kind in MIXED else "IntWeight"
+
+
+@pytest.mark.skipif("triton" not in BACKENDS, reason="needs TRITON_INTERPRET=1 (the Triton form on CPU tensors)")
+def test_a_mixed_fused_layer_keeps_each_run_in_its_own_form():
+    """A Q4_K_M attention (q, k Q4_K; v Q6_K): q and k join as 4-bit codes in groups of 32, v
+    stays 8-bit in groups of 16, and the layer holds less than the widest form for every row."""
+    parts = form_parts("k-quants")
+    form = QuantizedLinear(parts, torch.device("cpu"), backend="triton")
+    assert [(p.source.bits, p.source.group_size, p.out_features) for p in form.parts] == [(4, 32, 32), (8, 16, 8)]
+    widest = QuantizedLinear(qw.cat([p.as_int() for p in parts]), torch.device("cpu"), backend="triton")
+    assert sum(form.tensors().values()) < sum(widest.tensors().values())
 
 
 @pytest.mark.gpu
@@ -126,7 +143,8 @@ def test_gpu_form_multiplies_like_the_dequantized_weight(kind):
     """Compiled on the device (float32 activations take IEEE products there, as here)."""
     parts = form_parts(kind)
     form = QuantizedLinear(parts, torch.device("cuda"))
-    assert form.kind == "IntWeight" and form.packed.is_cuda
+    assert form.kind == _triton_kind(kind)
+    assert all(p.packed.is_cuda for p in getattr(form, "parts", [form]))
     check_form_product(form, parts)
 
 

@@ -147,5 +147,4 @@ def log_quantized_bytes(model: nn.Module, dtype) -> None:
                     unquantized / max(sum(held.values()), 1))
     if gguf_file:
         logger.info("GGUF projections: %.1f MiB of the file's blocks held as %.1f MiB of codes and float32 group "
-                    "scales for the Triton kernels (5- and 6-bit codes take a byte each; a fused layer mixing "
-                    "block types takes the widest form)", gguf_file / mib, gguf_held / mib)
+                    "scales for the Triton kernels (5- and 6-bit codes take a byte each)", gguf_file / mib, gguf_held / mib)

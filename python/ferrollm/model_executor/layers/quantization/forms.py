@@ -47,11 +47,14 @@ class QuantizedLinear:
         # The file's bytes of GGUF blocks held as integers here (the start-up log compares them).
         self.gguf_file_bytes = 0
         if isinstance(w, list) and not self.on_cpu:
-            # The Triton kernels read codes and group scales: the blocks as those, exactly, one
-            # weight for the fused layer (its q/k/v may be of different block types). Decoded on
-            # the device, so only the file's bytes cross to it.
+            # The Triton kernels read codes and group scales: the blocks as those, exactly.
+            # Decoded on the device, so only the file's bytes cross to it.
             self.gguf_file_bytes = sum(s.data.numel() for s in w)
-            w = self.source = qw.cat([dataclasses.replace(s, data=s.data.to(self.device)).as_int() for s in w])
+            runs = _same_form_runs([dataclasses.replace(s, data=s.data.to(self.device)).as_int() for s in w])
+            if len(runs) > 1:
+                self._prepare_parts(runs)
+                return
+            w = self.source = qw.cat(runs[0])
         if isinstance(w, list):  # GGUF segments, each read where the file holds it (CPU only)
             self.kind = "gguf"
             # Stacked along the output features in one kernel call (q, k, v; gate, up).
@@ -83,6 +86,17 @@ class QuantizedLinear:
                                        w.input_quant, self._input_scale(w.input_scale))
             self.unit_scale = self._input_scale(1.0)  # per-token inputs: rows already e4m3
 
+    def _prepare_parts(self, runs: list[list[qw.IntWeight]]) -> None:
+        """A fused layer whose projections differ in form (a Q4_K_M file's q/k Q4_K beside v
+        Q6_K): one form per run of alike projections, their outputs side by side. Joined into
+        one weight, every row would take the widest form (the Q4_K rows 12 bits a weight
+        instead of 6)."""
+        self.kind = "parts"
+        self.parts = [QuantizedLinear(qw.cat(run), self.device, backend="triton") for run in runs]
+        self.out_features = sum(part.out_features for part in self.parts)
+        self.in_features = self.parts[0].in_features
+        self.source = None
+
     def _input_scale(self, scale: float | None):
         """A static activation scale as each kernel family takes it: a float for the Rust
         kernels, a one-element float32 tensor on the device for the Triton ones (made once here:
@@ -105,6 +119,10 @@ class QuantizedLinear:
     def _product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         k = _kernels(self.on_cpu)
         w = self.source
+        if self.kind == "parts":
+            widths = [part.out_features for part in self.parts]
+            biases = [None] * len(widths) if bias is None else bias.split(widths)
+            return torch.cat([part._product(x, b) for part, b in zip(self.parts, biases)], dim=-1)
         if self.kind == "gguf":
             from ferrollm.kernels.cpu.gguf import gguf_linear_stacked
 
@@ -126,6 +144,8 @@ class QuantizedLinear:
         """The weight in the `qweights` layout again, read back from the kernels' packing (for
         saving sharded state)."""
         w = self.source
+        if self.kind == "parts":  # saved as one weight: the parts' forms joined in the widest
+            return qw.cat([part.saved_weight() for part in self.parts])
         if self.kind == "gguf" or isinstance(w, list):
             return [s if isinstance(g, tuple) else _deinterleaved(s, g) for s, g in zip(w, self.segments)]
         in_features = self.in_features
@@ -144,6 +164,8 @@ class QuantizedLinear:
 
     def tensors(self) -> dict[int, int]:
         """Bytes held, by address (for the start-up log's weight bytes)."""
+        if self.kind == "parts":
+            return {address: size for part in self.parts for address, size in part.tensors().items()}
         held = [self.packed] if hasattr(self, "packed") else self.segment_tensors()
         w = self.source
         for name in ("scales", "mins", "scale"):
@@ -151,6 +173,19 @@ class QuantizedLinear:
             if isinstance(t, torch.Tensor):
                 held.append(t)
         return {t.data_ptr(): t.numel() * t.element_size() for t in held if t.numel()}
+
+
+def _same_form_runs(weights: list[qw.IntWeight]) -> list[list[qw.IntWeight]]:
+    """Consecutive weights grouped by form (bits, group size, whether they have mins): each run
+    joins into one weight without widening any."""
+    form = lambda w: (w.bits, w.group_size, w.mins is None)  # noqa: E731
+    runs: list[list[qw.IntWeight]] = []
+    for w in weights:
+        if runs and form(runs[-1][-1]) == form(w):
+            runs[-1].append(w)
+        else:
+            runs.append([w])
+    return runs
 
 
 def _gguf_segment(w: qw.GGUFWeight):

@@ -12,7 +12,7 @@ On a GPU the same projections are kept, and each layer's form turns this rank's 
 weight-only integers for the Triton ``wq_linear`` (`gguf_blocks`, exact): codes and float32
 group scales, where 4-bit codes pack two to a byte but 5- and 6-bit codes take a byte each, so a
 weight costs more than in the file (Q4_K 6 bits against 4.5, Q6_K 10 against 6.56; a fused
-layer mixing types takes the widest form). The vocabulary table and LM head are dequantized to
+layer mixing types keeps each run of alike projections in its own form). The vocabulary table and LM head are dequantized to
 the run dtype on the GPU for now (no Triton block lookup or head kernel yet). Both are logged.
 """
 
