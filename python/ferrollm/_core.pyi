@@ -308,6 +308,7 @@ class CpuDecoder:
         cos_sin: _Buffer,
         caches: list[tuple[_Buffer, _Buffer]],
         threads: int,
+        chunk_after: int | None = None,
     ) -> None: ...
 
 @final

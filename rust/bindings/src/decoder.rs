@@ -213,8 +213,10 @@ impl PyCpuDecoder {
     /// overwritten with the last layer's output), `residual` (written), `positions` and
     /// `slot_mapping` int64 `[rows]`, `block_tables` int32 `[rows, max_blocks_per_seq]`,
     /// `seq_lens` int32 `[rows]`, `cos_sin`, and each layer's `(key_cache, value_cache)`; the
-    /// float tensors all of the decoder's `dtype`.
-    #[pyo3(signature = (hidden, residual, positions, slot_mapping, block_tables, max_blocks_per_seq, seq_lens, block_size, cos_sin, caches, threads))]
+    /// float tensors all of the decoder's `dtype`. `chunk_after`: the rows are instead one
+    /// request's prompt chunk after its `chunk_after` cached tokens (`block_tables` and
+    /// `seq_lens` that request's).
+    #[pyo3(signature = (hidden, residual, positions, slot_mapping, block_tables, max_blocks_per_seq, seq_lens, block_size, cos_sin, caches, threads, chunk_after=None))]
     #[allow(clippy::too_many_arguments)]
     fn run(
         &self,
@@ -230,9 +232,17 @@ impl PyCpuDecoder {
         cos_sin: Buffer,
         caches: Vec<(Buffer, Buffer)>,
         threads: usize,
+        chunk_after: Option<usize>,
     ) -> PyResult<()> {
-        let step =
-            StepBuffers { positions, slot_mapping, block_tables, max_blocks_per_seq, seq_lens, block_size };
+        let step = StepBuffers {
+            positions,
+            slot_mapping,
+            block_tables,
+            max_blocks_per_seq,
+            seq_lens,
+            block_size,
+            chunk_after,
+        };
         // SAFETY: the weights are live while `self` is (the caller's promise, see the module
         // doc); the step's buffers for this call. `hidden`, `residual` and the caches are
         // distinct tensors that nothing else reads or writes meanwhile.
@@ -254,6 +264,7 @@ struct StepBuffers {
     max_blocks_per_seq: usize,
     seq_lens: Buffer,
     block_size: usize,
+    chunk_after: Option<usize>,
 }
 
 impl PyCpuDecoder {
@@ -283,6 +294,7 @@ impl PyCpuDecoder {
             seq_lens: view(step.seq_lens),
             block_size: step.block_size,
             cos_sin: view(cos_sin),
+            chunk_after: step.chunk_after,
         };
         let (hidden, residual) = (view_mut::<T>(hidden), view_mut::<T>(residual));
         py.detach(|| decode_layers(&layers, &mut caches, self.shape, decode, hidden, residual, threads))

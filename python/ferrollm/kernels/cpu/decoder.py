@@ -43,8 +43,10 @@ class CpuDecoder:
     """A model's decoder layers on the Rust side, and the tensors they read kept alive."""
 
     def __init__(self, core: _core.CpuDecoder, held: list[torch.Tensor], cos_sin: torch.Tensor,
-                 dtype: torch.dtype):
+                 dtype: torch.dtype, head_dim: int):
         self._core = core
+        # Prompt chunks too, where the Rust prefill kernel takes the head size.
+        self._chunks = bool(_core.cpu_paged_prefill_supported(head_dim))
         self.dtype = dtype  # of the activations, norms, rotary table and KV cache
         self._held = held  # every tensor `core` reads by address
         self._cos_sin = cos_sin
@@ -60,10 +62,17 @@ class CpuDecoder:
             return False
         return self._cache_buffers(kv_caches) is not None
 
+    def takes_step(self, attn_metadata, hidden_states: torch.Tensor) -> bool:
+        """Whether the step's rows can run here: decode rows, or one request's prompt chunk
+        where the prefill kernel takes the head size (AVX-512, a multiple of 64)."""
+        if attn_metadata.is_decode_only:
+            return True
+        return attn_metadata.num_reqs == 1 and self._chunks
+
     def run(self, hidden_states: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
             attn_metadata) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every layer for a decode-only step: ``(hidden, residual)`` of the last layer, for the
-        model's final norm. ``hidden_states`` (the embeddings) is left as it was."""
+        """Every layer for a step `takes_step` accepted: ``(hidden, residual)`` of the last layer,
+        for the model's final norm. ``hidden_states`` (the embeddings) is left as it was."""
         caches = self._cache_buffers(kv_caches)
         assert caches is not None, "call only where `takes` holds"
         hidden = hidden_states.clone(memory_format=torch.contiguous_format)
@@ -74,7 +83,8 @@ class CpuDecoder:
         lens = as_contiguous(attn_metadata.seq_lens, torch.int32)
         # Every tensor passed by address stays referenced here until the call returns.
         self._core.run(_buf(hidden), _buf(residual), _buf(positions), _buf(slots), _buf(tables), tables.shape[1],
-                       _buf(lens), attn_metadata.block_size, _buf(self._cos_sin), caches, _threads())
+                       _buf(lens), attn_metadata.block_size, _buf(self._cos_sin), caches, _threads(),
+                       None if attn_metadata.is_decode_only else int(attn_metadata.rows.prefills[0].num_computed))
         return hidden, residual
 
     def _cache_buffers(self, kv_caches: list[torch.Tensor]):
@@ -110,7 +120,7 @@ def build_cpu_decoder(model: nn.Module) -> CpuDecoder | None:
                             _DTYPE_NAMES[dtype])
     logger.info("one-call CPU decode on: %d layers, %s activations, weights as %s", len(layers),
                 _DTYPE_NAMES[dtype], sorted({_form_name(layer.self_attn.qkv_proj._cpu) for layer in layers}))
-    return CpuDecoder(core, held, rope.cos_sin_cache, dtype)
+    return CpuDecoder(core, held, rope.cos_sin_cache, dtype, attn.head_dim)
 
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}

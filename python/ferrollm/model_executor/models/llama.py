@@ -196,16 +196,20 @@ class LlamaModel(nn.Module):
 
     def _cpu_decoder_for(self, hidden_states: torch.Tensor, kv_caches: list[torch.Tensor],
                          attn_metadata: AttentionMetadata) -> CpuDecoder | None:
-        """The one-call decoder where this step can take it: a decode-only CPU step without images,
-        run eagerly (a compiled model reads its metadata from the forward context, and is None here)."""
+        """The one-call decoder where this step can take it: a CPU step without images, of decode
+        rows or one request's prompt chunk (`CpuDecoder.takes_step`), run eagerly (a compiled
+        model reads its metadata from the forward context, and is None here)."""
         if attn_metadata is None or not hidden_states.is_cpu or torch.compiler.is_compiling():
             return None
-        if not attn_metadata.is_decode_only or attn_metadata.image_spans:
+        if attn_metadata.image_spans:
             return None
         if self._cpu_decoder is False:
+            if not attn_metadata.is_decode_only:
+                return None  # built at the first decode step, as the log line says
             self._cpu_decoder = build_cpu_decoder(self)
         decoder = self._cpu_decoder
-        if isinstance(decoder, CpuDecoder) and decoder.takes(hidden_states, kv_caches):
+        if (isinstance(decoder, CpuDecoder) and decoder.takes_step(attn_metadata, hidden_states)
+                and decoder.takes(hidden_states, kv_caches)):
             return decoder
         return None
 

@@ -366,6 +366,7 @@ fn run_steps<T: SimdElement + std::fmt::Debug>(
             seq_lens: &seq_lens,
             block_size: BLOCK,
             cos_sin: &table_t,
+            chunk_after: None,
         };
         decode_layers(layers, &mut caches, shape(), decode, &mut hidden, &mut residual, 2).unwrap();
         if step < 2 {
@@ -417,6 +418,7 @@ fn one_token<'a, T>(position: &'a [i64], tables: &'a [i32], table: &'a [T]) -> D
         seq_lens: &[1],
         block_size: BLOCK,
         cos_sin: table,
+        chunk_after: None,
     }
 }
 
