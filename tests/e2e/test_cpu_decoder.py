@@ -77,6 +77,13 @@ def test_one_request_s_prompt_chunks_run_in_the_one_call(caplog, monkeypatch):
     layered, layered_calls = run()
     assert fused == layered
     assert (fused_calls, layered_calls) == (1 * layers, 4 * layers)
+    # A chunk past MLP_SLAB_ROWS (256) tokens keeps the layer path, whose MLP runs in slabs.
+    monkeypatch.delenv("FERROLLM_CPU_FUSED_DECODE")
+    calls.clear()
+    with LLM(default_model(), **{**ENGINE, "max_model_len": 512, "max_num_batched_tokens": 512}) as llm:
+        for p in (prompts[0], {"prompt_token_ids": list(range(10, 310))}):
+            llm.generate([p], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert len(calls) == 2 * layers
 
 
 @pytest.mark.parametrize("quantization,env", [("int8", {}), ("rtn", {"RTN_NUM_BITS": "4", "RTN_GROUP_SIZE": "32"}),

@@ -33,6 +33,7 @@ from ferrollm import _core
 from ferrollm.attention import cpu_backend
 from ferrollm.attention.selector import get_attn_backend
 from ferrollm.kernels.cpu import _buf, _threads, as_contiguous, gemm_bf16, supports
+from ferrollm.model_executor.layers.cpu_gemm import MLP_SLAB_ROWS
 
 __all__ = ["CpuDecoder", "build_cpu_decoder"]
 
@@ -63,11 +64,14 @@ class CpuDecoder:
         return self._cache_buffers(kv_caches) is not None
 
     def takes_step(self, attn_metadata, hidden_states: torch.Tensor) -> bool:
-        """Whether the step's rows can run here: decode rows, or one request's prompt chunk
-        where the prefill kernel takes the head size (AVX-512, a multiple of 64)."""
+        """Whether the step's rows can run here: decode rows, or one request's prompt chunk of up
+        to `MLP_SLAB_ROWS` tokens where the prefill kernel takes the head size (AVX-512, a
+        multiple of 64). A longer chunk keeps the layer path, whose MLP runs in slabs of that
+        many rows: the stack's scratch is as wide as the step (a 4096-token chunk's gate/up alone
+        would be 160 MB on Qwen2-0.5B), and the Python between calls is small beside its work."""
         if attn_metadata.is_decode_only:
             return True
-        return attn_metadata.num_reqs == 1 and self._chunks
+        return attn_metadata.num_reqs == 1 and attn_metadata.num_tokens <= MLP_SLAB_ROWS and self._chunks
 
     def run(self, hidden_states: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
             attn_metadata) -> tuple[torch.Tensor, torch.Tensor]:
