@@ -82,7 +82,6 @@ class AttentionMetadata:
         cost ~0.25 ms a layer on the CPU."""
         return StepRows.of(self)
 
-
     @classmethod
     def from_step(
         cls, step: _StepArrays, block_size: int, device: torch.device | str = "cpu"
@@ -137,15 +136,14 @@ class StepRows:
     one request at a time).
 
     Attributes:
-        decode_rows: int64 ``[num_decodes]`` rows of the step with one query token.
-        decode_tokens: int64 ``[num_decodes]`` their token's index in the flat batch.
+        decode_tokens: int64 ``[num_decodes]`` the token of each row with one query token, by
+            its index in the flat batch.
         decode_seq_lens: their context lengths.
         decode_block_tables: their block tables.
         decode_max_seq_len: the longest of their contexts (0 with none).
         prefills: the other rows' chunks, in row order.
     """
 
-    decode_rows: torch.Tensor
     decode_tokens: torch.Tensor
     decode_seq_lens: torch.Tensor
     decode_block_tables: torch.Tensor
@@ -161,8 +159,7 @@ class StepRows:
         index = torch.tensor(decodes, dtype=torch.int64, device=meta.seq_lens.device)
         prefills = tuple(PrefillChunk(row, starts[row], starts[row + 1], seq_lens[row], computed[row])
                          for row, n in enumerate(lengths) if n > 1)
-        return cls(decode_rows=index,
-                   decode_tokens=meta.query_start_loc[index].long(),
+        return cls(decode_tokens=meta.query_start_loc[index].long(),
                    decode_seq_lens=meta.seq_lens[index],
                    decode_block_tables=meta.block_tables[index],
                    decode_max_seq_len=max((seq_lens[row] for row in decodes), default=0),

@@ -63,7 +63,7 @@ class CpuDecoder:
             return False
         return self._cache_buffers(kv_caches) is not None
 
-    def takes_step(self, attn_metadata, hidden_states: torch.Tensor) -> bool:
+    def takes_step(self, attn_metadata) -> bool:
         """Whether the step's rows can run here: decode rows, or one request's prompt chunk of up
         to `MLP_SLAB_ROWS` tokens where the prefill kernel takes the head size (AVX-512, a
         multiple of 64). A longer chunk keeps the layer path, whose MLP runs in slabs of that

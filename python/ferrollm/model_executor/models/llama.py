@@ -208,7 +208,7 @@ class LlamaModel(nn.Module):
                 return None  # built at the first decode step, as the log line says
             self._cpu_decoder = build_cpu_decoder(self)
         decoder = self._cpu_decoder
-        if (isinstance(decoder, CpuDecoder) and decoder.takes_step(attn_metadata, hidden_states)
+        if (isinstance(decoder, CpuDecoder) and decoder.takes_step(attn_metadata)
                 and decoder.takes(hidden_states, kv_caches)):
             return decoder
         return None
