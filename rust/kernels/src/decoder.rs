@@ -347,21 +347,6 @@ fn attention<T: SimdElement>(
     rotate_neox(k, step.positions, step.cos_sin, &mut scratch.k, rotary(s.num_kv_heads), threads)?;
     let write = CacheWriteShape { tokens: rows, width: kv_size, key_stride: kv_size, value_stride: width };
     write_kv(&scratch.k, v, step.slot_mapping, cache.key, cache.value, write)?;
-    let inputs = DecodeInputs {
-        query: &scratch.q,
-        key_cache: cache.key,
-        value_cache: cache.value,
-        scales: KvScales { key: 1.0, value: 1.0 },
-        block_tables: step.block_tables,
-        seq_lens: step.seq_lens,
-    };
-    let shape = DecodeShape {
-        num_heads: s.num_heads,
-        num_kv_heads: s.num_kv_heads,
-        head_dim: s.head_dim,
-        block_size: step.block_size,
-        max_blocks_per_seq: step.max_blocks_per_seq,
-    };
     if let Some(num_computed) = step.chunk_after {
         let shape = PrefillShape {
             num_heads: s.num_heads,
@@ -380,6 +365,21 @@ fn attention<T: SimdElement>(
         let options = PrefillOptions { scale: s.scale, sliding_window: None };
         return paged_prefill(inputs, shape, options, &mut scratch.attn, threads);
     }
+    let inputs = DecodeInputs {
+        query: &scratch.q,
+        key_cache: cache.key,
+        value_cache: cache.value,
+        scales: KvScales { key: 1.0, value: 1.0 },
+        block_tables: step.block_tables,
+        seq_lens: step.seq_lens,
+    };
+    let shape = DecodeShape {
+        num_heads: s.num_heads,
+        num_kv_heads: s.num_kv_heads,
+        head_dim: s.head_dim,
+        block_size: step.block_size,
+        max_blocks_per_seq: step.max_blocks_per_seq,
+    };
     let options = DecodeOptions { scale: s.scale, sliding_window: None, soft_cap: None };
     paged_decode(inputs, shape, options, &mut scratch.attn, threads)
 }

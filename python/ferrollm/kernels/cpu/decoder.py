@@ -88,7 +88,7 @@ class CpuDecoder:
         # Every tensor passed by address stays referenced here until the call returns.
         self._core.run(_buf(hidden), _buf(residual), _buf(positions), _buf(slots), _buf(tables), tables.shape[1],
                        _buf(lens), attn_metadata.block_size, _buf(self._cos_sin), caches, _threads(),
-                       None if attn_metadata.is_decode_only else int(attn_metadata.rows.prefills[0].num_computed))
+                       None if attn_metadata.is_decode_only else int(attn_metadata.num_computed_tokens[0]))
         return hidden, residual
 
     def _cache_buffers(self, kv_caches: list[torch.Tensor]):
