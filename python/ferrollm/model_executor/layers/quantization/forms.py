@@ -16,6 +16,7 @@ float32, so a bf16 model's rows are converted on the way in and out.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 
 import torch
@@ -178,14 +179,7 @@ class QuantizedLinear:
 def _same_form_runs(weights: list[qw.IntWeight]) -> list[list[qw.IntWeight]]:
     """Consecutive weights grouped by form (bits, group size, whether they have mins): each run
     joins into one weight without widening any."""
-    form = lambda w: (w.bits, w.group_size, w.mins is None)  # noqa: E731
-    runs: list[list[qw.IntWeight]] = []
-    for w in weights:
-        if runs and form(runs[-1][-1]) == form(w):
-            runs[-1].append(w)
-        else:
-            runs.append([w])
-    return runs
+    return [list(run) for _, run in itertools.groupby(weights, key=lambda w: (w.bits, w.group_size, w.mins is None))]
 
 
 def _gguf_segment(w: qw.GGUFWeight):
