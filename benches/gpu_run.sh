@@ -6,8 +6,9 @@
 #   bash benches/gpu_run.sh tests      # the gpu-marked tests: kernels, then the engine on cuda
 #   bash benches/gpu_run.sh bench      # side_by_side: startup, mixed, fixed, latency vs HF, bf16
 #   bash benches/gpu_run.sh nanovllm   # nano-vllm's shape: 256 seqs, in/out 100-1023
-#   bash benches/gpu_run.sh models     # quantized (GGUF too) and multimodal models on cuda
+#   bash benches/gpu_run.sh models     # quantized and multimodal models on cuda
 #   bash benches/gpu_run.sh kernels-quant  # the quantized Triton kernels against their references
+#   bash benches/gpu_run.sh gguf       # GGUF blocks as integer forms on Triton: the kernels, then a tiny file
 #   bash benches/gpu_run.sh quant      # gpu_quant.py: quantized against bf16, 0.5B and 3B shapes
 #   bash benches/gpu_run.sh cpu        # the host CPU's bf16/AMX flags, and the Rust kernel tests on it
 #                                      # (.devbin/kernels-tests: `cargo test -p ferrollm-kernels
@@ -63,12 +64,14 @@ models)
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
     step models 240 $PY -m pytest -q -m gpu tests/e2e/test_gpu_quantized.py tests/e2e/test_gpu_multimodal.py \
         -p no:cacheprovider -rfE --durations=8
-    # GGUF projections as weight-only integers on the Triton kernels, a tiny mixed-type file against the CPU.
-    step gguf 120 $PY -m pytest -q -m gpu tests/e2e/test_gpu_gguf.py -p no:cacheprovider -rfE --durations=4
     ;;
 kernels-quant)
     step kernels_quant 150 $PY -m pytest -q -m gpu tests/kernels/test_triton_quant.py -p no:cacheprovider -rfE
+    ;;
+gguf)
     step kernels_gguf 90 $PY -m pytest -q -m gpu tests/kernels/test_gguf_int_forms.py -p no:cacheprovider -rfE
+    # GGUF projections as weight-only integers on the Triton kernels, a tiny mixed-type file against the CPU.
+    step gguf 120 $PY -m pytest -q -m gpu tests/e2e/test_gpu_gguf.py -p no:cacheprovider -rfE --durations=4
     ;;
 quant)
     step gpu_quant_3b 240 $PY benches/gpu_quant.py --bench-dir $BENCH --model qwen2.5-3b --variants bf16,fp8,int8,rtn4 \
@@ -91,6 +94,6 @@ cpu)
         tests/e2e/test_cpu_decoder.py -p no:cacheprovider -rfE
     ;;
 *)
-    echo "unknown mode $MODE (tests, bench, nanovllm, models, kernels-quant, quant, cpu)"; exit 2 ;;
+    echo "unknown mode $MODE (tests, bench, nanovllm, models, kernels-quant, gguf, quant, cpu)"; exit 2 ;;
 esac
 done
