@@ -1,8 +1,9 @@
-"""A GGUF file on a GPU: its projections kept as weight-only integers for the Triton kernels
-(`gguf_blocks`), against the same file on the CPU's block kernels.
+"""A GGUF file on a GPU: its projections and vocabulary table kept as weight-only integers for the
+Triton kernels (`gguf_blocks`), against the same file on the CPU's block kernels.
 
 The tiny file holds each of the eight block types, layer 0 mixed as a Q4_K_M file mixes them (q/k
-Q4_K beside v Q6_K in one fused layer). The CPU rounds activations to 8 bits per block where the
+Q4_K beside v Q6_K in one fused layer); its table is Q8_0 and tied to the LM head, or (as in a
+Q4_K_M file) Q4_K beside a Q6_K head. The CPU rounds activations to 8 bits per block where the
 GPU multiplies float32 activations by the exact weights, so tokens are compared by vLLM's
 `check_logprobs_close` rule, with the int8-activation tolerance of e2e/test_gpu_quantized.py.
 Measured on the CPU, with the Triton forms run by the interpreter in place of the GPU's: the
@@ -25,6 +26,7 @@ from helpers.gguf_files import tiny_model_tensors, write_gguf
 from helpers.logprobs_close import check_logprobs_close, top_logprobs
 
 from ferrollm import LLM, SamplingParams
+from ferrollm.model_executor.layers.quantization.forms import QuantizedLinear
 
 pytestmark = [
     pytest.mark.gpu,
@@ -42,10 +44,13 @@ MAX_TOKENS = 12
 TOLERANCE = 0.25
 
 
-@pytest.fixture(scope="module")
-def gguf_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("gguf") / "tiny-mixed.gguf"
-    return write_gguf(path, tensors=tiny_model_tensors(TYPES), hidden=256, ffn=512)
+TABLES = {"tied": {}, "untied": {"token_embd.weight": Q.Q4_K, "output.weight": Q.Q6_K}}
+
+
+@pytest.fixture(scope="module", params=sorted(TABLES))
+def gguf_file(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp("gguf") / f"tiny-mixed-{request.param}.gguf"
+    return write_gguf(path, tensors=tiny_model_tensors({**TYPES, **TABLES[request.param]}), hidden=256, ffn=512)
 
 
 def generate(path, device: str):
@@ -54,8 +59,13 @@ def generate(path, device: str):
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, logprobs=5)
     with LLM(model=str(path), device=device, dtype="float32", max_num_seqs=4, max_model_len=128) as llm:
         outs = llm.generate(prompts, params, use_tqdm=False)
-        graphs = llm.llm_engine.generation_runner.cuda_graphs
-        replays = graphs.num_replays if graphs else 0
+        runner = llm.llm_engine.generation_runner
+        replays = runner.cuda_graphs.num_replays if runner.cuda_graphs else 0
+        if device == "cuda":  # the head multiplies by the table's integers, the embedding reads them
+            model = runner.model
+            assert isinstance(model.lm_head._cpu, QuantizedLinear) and model.lm_head._cpu.packed.is_cuda
+            assert isinstance(model.model.embed_tokens.weight.table_form, QuantizedLinear)
+            assert model.model.embed_tokens.weight.numel() == 0
     return [o.outputs[0] for o in outs], replays
 
 
@@ -69,5 +79,4 @@ def test_a_gguf_file_on_the_gpu_matches_the_cpu(gguf_file, caplog):
     assert equal >= len(PROMPT_LENS) * 2
     assert replays >= MAX_TOKENS - 2  # the integer products run inside the captured decode graphs
     assert "GGUF projections kept quantized on cuda" in caplog.text, caplog.text
-    assert "the vocabulary table and LM head are dequantized on this device" in caplog.text
     assert re.search(r"GGUF projections: [\d.]+ MiB of the file's blocks held as [\d.]+ MiB", caplog.text), caplog.text

@@ -93,12 +93,14 @@ def quantized_blocks(qtype: GGMLQuantizationType, rows: int, cols: int, std: flo
 
 def tiny_model_tensors(types: dict[str, GGMLQuantizationType], hidden: int = 256, ffn: int = 512,
                        seed: int = 0) -> dict[str, tuple[np.ndarray, GGMLQuantizationType]]:
-    """A whole Llama model for `write_gguf` (2 layers, 4 heads, 2 KV heads, tied embeddings), its
-    tensors quantized as ``types`` names them by llama.cpp name (``blk.0.attn_q.weight``;
-    ``token_embd.weight``); the others Q8_0, the norms F32."""
+    """A whole Llama model for `write_gguf` (2 layers, 4 heads, 2 KV heads), its tensors quantized
+    as ``types`` names them by llama.cpp name (``blk.0.attn_q.weight``; ``token_embd.weight``);
+    the others Q8_0, the norms F32. Embeddings are tied unless ``types`` names ``output.weight``."""
     rng = np.random.default_rng(seed)
     kv = hidden // 2
     shapes = {"token_embd.weight": (len(byte_level_tokens()), hidden)}
+    if "output.weight" in types:
+        shapes["output.weight"] = shapes["token_embd.weight"]
     for layer in range(2):
         for part, shape in (("attn_q", (hidden, hidden)), ("attn_k", (kv, hidden)), ("attn_v", (kv, hidden)),
                             ("attn_output", (hidden, hidden)), ("ffn_gate", (ffn, hidden)),
@@ -107,7 +109,7 @@ def tiny_model_tensors(types: dict[str, GGMLQuantizationType], hidden: int = 256
     tensors = {}
     for name, (rows, cols) in shapes.items():
         qtype = types.get(name, GGMLQuantizationType.Q8_0)
-        std = 0.1 if name == "token_embd.weight" else 1 / np.sqrt(cols)
+        std = 0.1 if name in ("token_embd.weight", "output.weight") else 1 / np.sqrt(cols)
         tensors[name] = (quantized_blocks(qtype, rows, cols, std, rng), qtype)
     ones = (np.ones(hidden, np.float32), GGMLQuantizationType.F32)
     for layer in range(2):

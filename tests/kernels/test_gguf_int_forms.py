@@ -162,7 +162,7 @@ def test_a_sharded_triton_form_round_trips_through_sharded_state():
         assert_product_close(QuantizedLinear(again, torch.device("cpu"), backend=backend).linear(x, None), x @ weight.t())
 
 
-def test_a_gpu_keeps_the_projections_and_dequantizes_the_vocabulary(caplog):
+def test_a_gpu_keeps_the_projections_and_the_vocabulary(caplog):
     layer = "model.layers.0"
     types = {"model.embed_tokens.weight": int(Q.Q8_0), "lm_head.weight": int(Q.Q6_K),
              f"{layer}.self_attn.q_proj.weight": int(Q.Q4_K), f"{layer}.self_attn.k_proj.weight": int(Q.Q4_K),
@@ -174,8 +174,29 @@ def test_a_gpu_keeps_the_projections_and_dequantizes_the_vocabulary(caplog):
         config.bind(types, torch.device("cuda"))
     kept = {n for n in types if config.keeps(n)}
     # up_proj is fused with a Q2_K gate_proj, which has no integer form: both are dequantized.
-    assert kept == {f"{layer}.self_attn.{p}_proj.weight" for p in "qkvo"}
-    assert "Q4_K 4.5 -> 6, Q5_0 5.5 -> 9, Q6_K 6.56 -> 10" in caplog.text.replace("'", "")
-    assert "the vocabulary table and LM head are dequantized on this device for now" in caplog.text
-    config.bind(types, torch.device("cpu"))  # unchanged on the CPU: the tables stay blocks too
-    assert {n for n in types if config.keeps(n)} == kept | {"model.embed_tokens.weight", "lm_head.weight"}
+    tables = {"model.embed_tokens.weight", "lm_head.weight"}
+    assert kept == {f"{layer}.self_attn.{p}_proj.weight" for p in "qkvo"} | tables
+    assert "Q4_K 4.5 -> 6, Q5_0 5.5 -> 9, Q6_K 6.56 -> 10, Q8_0 8.5 -> 9" in caplog.text.replace("'", "")
+    assert "dequantized or converted to the run dtype at load: [Q2_K, Q4_K]" in caplog.text.replace("'", "")
+    config.bind(types, torch.device("cpu"))  # the same on the CPU, where the tables stay blocks
+    assert {n for n in types if config.keeps(n)} == kept
+    config.bind({**types, "lm_head.weight": int(Q.Q2_K)}, torch.device("cuda"))
+    assert not config.keeps("lm_head.weight")  # dequantized, as any type without an integer form
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_a_vocabulary_table_as_integers_looks_its_rows_up_as_decoded(qtype):
+    """The embedding of a GGUF table kept as integers off the CPU: the rows of the decoded table,
+    value for value, in the shape of the ids."""
+    table = gguf_weight(qtype, rows=9, blocks_per_row=1 if qtype in (Q.Q4_K, Q.Q5_K, Q.Q6_K) else 3, seed=3)
+    form = QuantizedLinear([table], torch.device("cpu"), backend="triton")
+    ids = torch.tensor([[4, 0, 8], [4, 4, 1]])
+    got = form.rows(ids)
+    assert got.shape == (2, 3, table.in_features) and got.dtype == torch.float32
+    assert torch.equal(got, table.dequantize()[ids])
+
+
+def test_rows_are_read_only_from_the_triton_integer_form():
+    form = QuantizedLinear([gguf_weight(Q.Q8_0, 4, 1)], torch.device("cpu"), backend="cpu")
+    with pytest.raises(TypeError, match="weight-only integer form for the Triton kernels, not gguf"):
+        form.rows(torch.tensor([0]))

@@ -71,7 +71,7 @@ class VocabParallelEmbedding(nn.Module):
         num_rows = max(0, min(self.org_vocab_size, self.vocab_end_index) - self.vocab_start_index)
         if isinstance(loaded_weight, GGUFWeight):
             param.gguf = loaded_weight.narrow(0, self.vocab_start_index, num_rows)
-            param.data = torch.empty((0, self.embedding_dim), dtype=param.dtype)
+            param.data = torch.empty((0, self.embedding_dim), dtype=param.dtype, device=param.device)
             return None
         if self.tp_size == 1 and self.num_embeddings_padded == self.org_vocab_size:
             return share_or_copy(param, loaded_weight, "vocabulary table")
@@ -88,9 +88,10 @@ class VocabParallelEmbedding(nn.Module):
         return tensor_model_parallel_all_reduce(out)
 
     def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
-        packed = getattr(self.weight, "packed_by_head", None)
-        if packed is not None:
-            return packed.rows(ids)
+        form = getattr(self.weight, "table_form", None)
+        if form is not None:
+            rows = form.rows(ids)
+            return rows if rows.dtype == self.weight.dtype else rows.to(self.weight.dtype)
         blocks = getattr(self.weight, "gguf", None)
         if blocks is None:
             return F.embedding(ids, self.weight)
@@ -99,10 +100,23 @@ class VocabParallelEmbedding(nn.Module):
 
         return embedding(blocks.data, blocks.ggml_type, ids, self.embedding_dim, self.weight.dtype)
 
+    def finish_cpu_weight(self, form: str | None) -> None:
+        """GGUF blocks off the CPU become the Triton kernels' integer form on the table's device,
+        the table's only copy there (a tied LM head multiplies by it too): the CPU's embedding
+        kernel decodes the rows it looks up from the file's blocks, a GPU looks them up in the
+        integers (`QuantizedLinear.rows`)."""
+        blocks = getattr(self.weight, "gguf", None)
+        if blocks is None or self.weight.device.type == "cpu" or hasattr(self.weight, "table_form"):
+            return
+        self.weight.table_form = build_quantized_form([(0, blocks)], self.weight.device)
+        del self.weight.gguf  # the file's pages: no longer read
+
     def dense_weight(self) -> torch.Tensor:
         """The table, ``[num_embeddings_per_partition, embedding_dim]`` (for saving)."""
-        packed = getattr(self.weight, "packed_by_head", None)
-        return self.weight if packed is None else packed.dense()
+        form = getattr(self.weight, "table_form", None)
+        if isinstance(form, QuantizedLinear):  # written dense, as before it was kept quantized here
+            return form.saved_weight().dequantize().to(self.weight.dtype)
+        return self.weight if form is None else form.dense()
 
     def extra_repr(self) -> str:
         return (f"vocab={self.org_vocab_size} (padded {self.num_embeddings_padded}), "
@@ -148,11 +162,17 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def finish_cpu_weight(self, form: str | None) -> None:
         """Builds the head's CPU form from its loaded weight. GGUF blocks are multiplied from the
-        file by the block kernels; the ``"rows"`` form reads the (tied or own) table itself. A
-        packed form is then the only copy of the table: the parameter is emptied, and a
-        tied embedding looks its rows up in the packed form (`VocabParallelEmbedding._lookup`).
+        file by the block kernels on the CPU, elsewhere by the Triton ones from the table's
+        integer form (`VocabParallelEmbedding.finish_cpu_weight`); the ``"rows"`` form reads the
+        (tied or own) table itself. A packed form is then the only copy of the table: the
+        parameter is emptied, and a tied embedding looks its rows up in the packed form
+        (`VocabParallelEmbedding._lookup`).
         On Qwen2-0.5B's tied 545 MB fp32 table that is the difference between holding it once
         and twice."""
+        super().finish_cpu_weight(form)
+        if isinstance(getattr(self.weight, "table_form", None), QuantizedLinear):
+            self._cpu = self.weight.table_form  # GGUF off the CPU (tied or not): the same integers
+            return
         blocks = getattr(self.weight, "gguf", None)
         if blocks is not None and self._cpu is None:
             # 8-bit rounding of the last hidden state tipped SmolLM2-135M's greedy text into
@@ -168,7 +188,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         blocks = [(first, table[first:first + step]) for first in range(0, table.shape[0], step)]
         self._cpu = build_cpu_weight(form, blocks, *table.shape)
         if hasattr(self._cpu, "rows"):
-            self.weight.packed_by_head = self._cpu
+            self.weight.table_form = self._cpu
             # Emptied in place (as for GGUF), not replaced: a tied embedding holds the same parameter.
             self.weight.data = torch.empty((0, self.embedding_dim), dtype=self.weight.dtype)
 

@@ -141,6 +141,21 @@ class QuantizedLinear:
 
     # -- what the rest of the engine asks ----------------------------------------------------
 
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` (any shape) of a weight-only integer form for the Triton kernels, in
+        float32 (``[*ids.shape, in_features]``): a GGUF vocabulary table kept as integers off the
+        CPU looks its embeddings up here."""
+        w = self.source
+        if self.on_cpu or not isinstance(w, qw.IntWeight):
+            raise TypeError(f"rows() reads a weight-only integer form for the Triton kernels, not {self.kind}")
+        flat = ids.reshape(-1)
+        q = self.packed[flat]
+        if w.bits == 4:
+            q = _unpack_int4(q, self.in_features, cpu_layout=False)
+        mins = None if w.mins is None else w.mins[flat]
+        rows = qw.IntWeight(q, w.scales[flat], mins, w.bits, w.group_size).dequantize()
+        return rows.reshape(*ids.shape, self.in_features)
+
     def saved_weight(self) -> qw.QuantizedWeight | list[qw.GGUFWeight]:
         """The weight in the `qweights` layout again, read back from the kernels' packing (for
         saving sharded state)."""

@@ -4,16 +4,16 @@ weights cost their file bytes, shared through the page cache, and decode reads 4
 
 Which tensors stay blocks is decided once per file (`GGUFConfig.keeps`): the linear projections
 whose type has a kernel (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K), when every projection
-fused with it does too, and on the CPU the vocabulary table and LM head of such a type (the
-embedding decodes the rows it looks up). Norms and any other type are dequantized at load as
-before, and logged.
+fused with it does too, and the vocabulary table and LM head of such a type. Norms and any other
+type are dequantized at load as before, and logged.
 
-On a GPU the same projections are kept, and each layer's form turns this rank's blocks into
-weight-only integers for the Triton ``wq_linear`` (`gguf_blocks`, exact): codes and float32
-group scales, where 4-bit codes pack two to a byte but 5- and 6-bit codes take a byte each, so a
-weight costs more than in the file (Q4_K 6 bits against 4.5, Q6_K 10 against 6.56; a fused
-layer mixing types keeps each run of alike projections in its own form). The vocabulary table and LM head are dequantized to
-the run dtype on the GPU for now (no Triton block lookup or head kernel yet). Both are logged.
+On the CPU the embedding decodes the rows it looks up from the blocks. On a GPU each layer's
+form turns this rank's blocks into weight-only integers for the Triton ``wq_linear`` (`gguf_blocks`,
+exact): codes and float32 group scales, where 4-bit codes pack two to a byte but 5- and 6-bit
+codes take a byte each, so a weight costs more than in the file (Q4_K 6 bits against 4.5, Q6_K
+10 against 6.56; a fused layer mixing types keeps each run of alike projections in its own
+form). The vocabulary table becomes the same integers, which the LM head multiplies by and the
+embedding looks its rows up in (`VocabParallelEmbedding.finish_cpu_weight`). Both are logged.
 """
 
 from __future__ import annotations
@@ -64,8 +64,7 @@ class GGUFConfig(QuantizationConfig):
             return
         logger.info("GGUF projections kept quantized on %s as codes and float32 group scales for the Triton "
                     "kernels (bits a weight in the file -> on the device; 5- and 6-bit codes take a byte each): "
-                    "%s; the vocabulary table and LM head are dequantized on this device for now; dequantized "
-                    "or converted to the run dtype at load: %s", device.type,
+                    "%s; dequantized or converted to the run dtype at load: %s", device.type,
                     [f"{type_name(t)} {_file_bits(t):.3g} -> {device_bits(t):.3g}" for t in kept] or "none",
                     other or "none")
 
@@ -76,16 +75,15 @@ class GGUFConfig(QuantizationConfig):
 
     def keeps(self, hf_name: str) -> bool:
         """Whether the tensor stays llama.cpp blocks: a projection with a block kernel, and every
-        projection fused with it as well; or, on the CPU, the vocabulary table (looked up row by
-        row, and multiplied as the LM head) with one."""
-        on_cpu = self.device.type == "cpu"
+        projection fused with it as well; or the vocabulary table (looked up row by row, and
+        multiplied as the LM head) with one."""
+        # Off the CPU the Triton kernels read the blocks as integers (`gguf_blocks`), for the
+        # same eight types.
+        supported = _has_kernel if self.device.type == "cpu" else expressible
         if hf_name in _VOCAB_TABLES:
-            return on_cpu and _has_kernel(self.types.get(hf_name))
+            return supported(self.types.get(hf_name))
         if not _is_projection(hf_name):
             return False
-        # Elsewhere the Triton kernels read the blocks as integers (`gguf_blocks`), for the
-        # same eight types.
-        supported = _has_kernel if on_cpu else expressible
         layer = hf_name.rsplit(".", 2)[0]
         return all(supported(self.types.get(f"{layer}.{p}.weight")) for p in self._siblings(hf_name))
 
