@@ -293,6 +293,7 @@ class CpuDecoder:
         layers: list[tuple[_Buffer, _Buffer, tuple[Any, ...], _Buffer | None, tuple[Any, ...], tuple[Any, ...],
                            tuple[Any, ...]]],
         dtype: str = "float32",
+        final_norm: _Buffer | None = None,
     ) -> CpuDecoder: ...
     def __len__(self) -> int: ...
     def run(

@@ -153,15 +153,18 @@ type LayerArgs<'py> = (
 pub struct PyCpuDecoder {
     shape: DecoderShape,
     layers: Vec<LayerSpec>,
+    /// The model's final norm (`[hidden]`, of `dtype`), applied after the last layer.
+    final_norm: Option<Buffer>,
     bf16: bool,
 }
 
 #[pymethods]
 impl PyCpuDecoder {
     /// `layers`: per layer `(input_norm, post_attention_norm, qkv, qkv_bias | None, o, gate_up,
-    /// down)`, norms and bias of `dtype`, the linear layers as the module doc describes.
+    /// down)`, norms and bias of `dtype`, the linear layers as the module doc describes;
+    /// `final_norm`: the model's norm after the last layer (see `decode_layers`), or None.
     #[new]
-    #[pyo3(signature = (hidden, num_heads, num_kv_heads, head_dim, rotary_dim, intermediate, eps, scale, layers, dtype = "float32"))]
+    #[pyo3(signature = (hidden, num_heads, num_kv_heads, head_dim, rotary_dim, intermediate, eps, scale, layers, dtype = "float32", final_norm = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         hidden: usize,
@@ -174,6 +177,7 @@ impl PyCpuDecoder {
         scale: f32,
         layers: Vec<LayerArgs<'_>>,
         dtype: &str,
+        final_norm: Option<Buffer>,
     ) -> PyResult<Self> {
         let bf16 = match dtype {
             "float32" => false,
@@ -201,7 +205,7 @@ impl PyCpuDecoder {
                 })
             })
             .collect::<PyResult<_>>()?;
-        Ok(Self { shape, layers, bf16 })
+        Ok(Self { shape, layers, final_norm, bf16 })
     }
 
     /// The number of layers.
@@ -210,7 +214,8 @@ impl PyCpuDecoder {
     }
 
     /// One decode step (see `decode_layers`): `hidden` (`[rows, hidden]`, the embeddings,
-    /// overwritten with the last layer's output), `residual` (written), `positions` and
+    /// overwritten with the last layer's output, normed by the final norm where there is one),
+    /// `residual` (written), `positions` and
     /// `slot_mapping` int64 `[rows]`, `block_tables` int32 `[rows, max_blocks_per_seq]`,
     /// `seq_lens` int32 `[rows]`, `cos_sin`, and each layer's `(key_cache, value_cache)`; the
     /// float tensors all of the decoder's `dtype`. `chunk_after`: the rows are instead one
@@ -297,8 +302,11 @@ impl PyCpuDecoder {
             chunk_after: step.chunk_after,
         };
         let (hidden, residual) = (view_mut::<T>(hidden), view_mut::<T>(residual));
-        py.detach(|| decode_layers(&layers, &mut caches, self.shape, decode, hidden, residual, threads))
-            .map_err(kernel_error)
+        let final_norm = self.final_norm.map(|b| view::<T>(b));
+        py.detach(|| {
+            decode_layers(&layers, final_norm, &mut caches, self.shape, decode, hidden, residual, threads)
+        })
+        .map_err(kernel_error)
     }
 }
 

@@ -240,10 +240,15 @@ pub struct DecodeStep<'a, T = f32> {
 }
 
 /// Runs `layers` over `hidden` (`[rows, hidden]`, the embeddings), leaving the last layer's
-/// output in `hidden` and the residual stream in `residual` (the model's final norm adds them).
-/// Every layer's weights and cache are checked before any cache is written.
+/// output in `hidden` and the residual stream in `residual` (the model's final norm adds them);
+/// with `final_norm` (`[hidden]`), that norm is applied here: `hidden` gets the normed sum and
+/// `residual` the sum, as the layer path's last `fused_add_rms_norm` gives them, and the step
+/// spends no call from Python on it. Every layer's weights and cache are checked before any
+/// cache is written.
+#[allow(clippy::too_many_arguments)]
 pub fn decode_layers<T: SimdElement>(
     layers: &[DecoderLayer<'_, T>],
+    final_norm: Option<&[T]>,
     caches: &mut [LayerCache<'_, T>],
     shape: DecoderShape,
     step: DecodeStep<'_, T>,
@@ -253,6 +258,9 @@ pub fn decode_layers<T: SimdElement>(
 ) -> Result<(), KernelError> {
     let rows = step.positions.len();
     check(layers, caches, &shape, &step, hidden.len(), residual.len())?;
+    if let Some(norm) = final_norm {
+        check_len("final_norm", norm.len(), shape.hidden)?;
+    }
     if rows == 0 {
         return Ok(());
     }
@@ -271,6 +279,10 @@ pub fn decode_layers<T: SimdElement>(
         add_norm(hidden, post_norm, &mut scratch, threads)?;
         layer.gate_up.silu_and_mul(&scratch.normed, rows, &mut scratch.gate_up, &mut scratch.act, threads)?;
         layer.down.forward(&scratch.act, rows, None, hidden, threads)?;
+    }
+    if let Some(weight) = final_norm {
+        add_norm(hidden, RmsNormWeight { weight, eps: shape.eps, gemma: false }, &mut scratch, threads)?;
+        hidden.copy_from_slice(&scratch.normed);
     }
     residual.copy_from_slice(&scratch.stream);
     Ok(())

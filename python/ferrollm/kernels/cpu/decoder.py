@@ -74,9 +74,9 @@ class CpuDecoder:
         return attn_metadata.num_reqs == 1 and attn_metadata.num_tokens <= MLP_SLAB_ROWS and self._chunks
 
     def run(self, hidden_states: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-            attn_metadata) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every layer for a step `takes_step` accepted: ``(hidden, residual)`` of the last layer,
-        for the model's final norm. ``hidden_states`` (the embeddings) is left as it was."""
+            attn_metadata) -> torch.Tensor:
+        """Every layer and the model's final norm for a step `takes_step` accepted: the normed
+        hidden states the LM head reads. ``hidden_states`` (the embeddings) is left as it was."""
         caches = self._cache_buffers(kv_caches)
         assert caches is not None, "call only where `takes` holds"
         hidden = hidden_states.clone(memory_format=torch.contiguous_format)
@@ -89,7 +89,7 @@ class CpuDecoder:
         self._core.run(_buf(hidden), _buf(residual), _buf(positions), _buf(slots), _buf(tables), tables.shape[1],
                        _buf(lens), attn_metadata.block_size, _buf(self._cos_sin), caches, _threads(),
                        None if attn_metadata.is_decode_only else int(attn_metadata.num_computed_tokens[0]))
-        return hidden, residual
+        return hidden
 
     def _cache_buffers(self, kv_caches: list[torch.Tensor]):
         # The engine hands the same cache tensors every step: their addresses are looked up once,
@@ -115,13 +115,15 @@ def build_cpu_decoder(model: nn.Module) -> CpuDecoder | None:
     layers = list(model.layers)
     attn = layers[0].self_attn
     dtype = layers[0].input_layernorm.weight.dtype
-    held: list[torch.Tensor] = []
+    # The final norm too: a call from Python in the warm-up of the LM head is dearer than the work
+    # (~0.1 ms a step on Qwen2-0.5B, its code evicted by the weights streamed before it).
+    held: list[torch.Tensor] = [model.norm.weight.detach()]
     specs = [_layer_spec(layer, held) for layer in layers]
     rope = attn.rotary_emb
     core = _core.CpuDecoder(model.norm.weight.shape[0], attn.attn.num_heads, attn.attn.num_kv_heads, attn.head_dim,
                             rope.rotary_dim, layers[0].mlp.down_proj.input_size_per_partition,
                             float(layers[0].input_layernorm.variance_epsilon), float(attn.attn.scale), specs,
-                            _DTYPE_NAMES[dtype])
+                            _DTYPE_NAMES[dtype], final_norm=_buf(held[0]))
     logger.info("one-call CPU decode on: %d layers, %s activations, weights as %s", len(layers),
                 _DTYPE_NAMES[dtype], sorted({_form_name(layer.self_attn.qkv_proj._cpu) for layer in layers}))
     return CpuDecoder(core, held, rope.cos_sin_cache, dtype, attn.head_dim)
@@ -136,6 +138,7 @@ def _form_name(form) -> str:
 
 def _refusal(model: nn.Module) -> str | None:
     """Why the layer path must run ``model``'s layers, or None."""
+    from ferrollm.model_executor.layers.norm import RMSNorm
     from ferrollm.model_executor.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
 
     if os.environ.get("FERROLLM_CPU_FUSED_DECODE", "1") == "0":
@@ -160,6 +163,10 @@ def _refusal(model: nn.Module) -> str | None:
                 or layer.post_attention_layernorm.variance_epsilon != first.input_layernorm.variance_epsilon
                 or layer.mlp.down_proj.input_size_per_partition != first.mlp.down_proj.input_size_per_partition):
             return "layers that differ in rotary embedding, attention scale, norm epsilon or MLP width"
+    norm = getattr(model, "norm", None)
+    if type(norm) is not RMSNorm or norm._gemma or norm.variance_epsilon != first.input_layernorm.variance_epsilon \
+            or norm.weight.dtype != first.input_layernorm.weight.dtype or not norm.weight.is_contiguous():
+        return "a final norm other than the layers' RMSNorm"
     return None
 
 

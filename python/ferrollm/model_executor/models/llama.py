@@ -181,12 +181,11 @@ class LlamaModel(nn.Module):
             if self.embed_scale is not None:
                 hidden_states = hidden_states * self.embed_scale
         decoder = self._cpu_decoder_for(hidden_states, kv_caches, attn_metadata)
-        if decoder is not None:
-            hidden_states, residual = decoder.run(hidden_states, positions, kv_caches, attn_metadata)
-        else:
-            residual = None
-            for layer, kv_cache in zip(self.layers, kv_caches):
-                hidden_states, residual = layer(positions, hidden_states, residual, kv_cache, attn_metadata)
+        if decoder is not None:  # the final norm included
+            return decoder.run(hidden_states, positions, kv_caches, attn_metadata)
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            hidden_states, residual = layer(positions, hidden_states, residual, kv_cache, attn_metadata)
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 

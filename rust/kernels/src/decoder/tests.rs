@@ -368,7 +368,13 @@ fn run_steps<T: SimdElement + std::fmt::Debug>(
             cos_sin: &table_t,
             chunk_after: None,
         };
-        decode_layers(layers, &mut caches, shape(), decode, &mut hidden, &mut residual, 2).unwrap();
+        let embeddings = hidden.clone();
+        decode_layers(layers, None, &mut caches, shape(), decode, &mut hidden, &mut residual, 2).unwrap();
+        // Again with the final norm: the same keys and values go to the same slots.
+        let (mut normed, mut sum) = (embeddings, vec![zero; 2 * HIDDEN]);
+        let final_norm: Vec<T> = stack[0].norms[1].iter().map(|&v| T::from_f32(v)).collect();
+        decode_layers(layers, Some(&final_norm), &mut caches, shape(), decode, &mut normed, &mut sum, 2)
+            .unwrap();
         if step < 2 {
             continue; // the second request's repeated token 0 is not a real sequence
         }
@@ -378,6 +384,15 @@ fn run_steps<T: SimdElement + std::fmt::Debug>(
             let (want_hidden, want_residual) = reference(stack, &tokens, &table);
             assert_close(&f32s(&hidden[row * HIDDEN..][..HIDDEN]), &want_hidden, "hidden", tol);
             assert_close(&f32s(&residual[row * HIDDEN..][..HIDDEN]), &want_residual, "residual", tol);
+            let want_sum: Vec<f64> = want_hidden.iter().zip(&want_residual).map(|(h, r)| h + r).collect();
+            let weight: Vec<f32> = final_norm.iter().map(|v| v.to_f32()).collect();
+            assert_close(
+                &f32s(&normed[row * HIDDEN..][..HIDDEN]),
+                &norm(&want_sum, &weight),
+                "final norm",
+                tol,
+            );
+            assert_close(&f32s(&sum[row * HIDDEN..][..HIDDEN]), &want_sum, "final sum", tol);
         }
     }
 }
@@ -403,7 +418,8 @@ fn refuses_quantized_weights_with_bf16_activations_before_writing_the_cache() {
     let tables = vec![0; BLOCKS_PER_SEQ];
     let step = DecodeStep { cos_sin: &table[..], ..one_token(&[0], &tables, &[]) };
     let (mut hidden, mut residual) = (vec![Bf16::from_f32(0.5); HIDDEN], vec![Bf16::default(); HIDDEN]);
-    let err = decode_layers(&layers, &mut caches, shape(), step, &mut hidden, &mut residual, 1).unwrap_err();
+    let err =
+        decode_layers(&layers, None, &mut caches, shape(), step, &mut hidden, &mut residual, 1).unwrap_err();
     assert!(matches!(err, KernelError::Param { name: "qkv", .. }), "{err}");
     assert!(key.iter().all(|&v| v == seven));
 }
@@ -432,7 +448,8 @@ fn refuses_a_position_past_the_rotary_table_before_writing_the_cache() {
     let tables = vec![0; BLOCKS_PER_SEQ];
     let step = one_token(&[MAX_POS as i64], &tables, &table);
     let (mut hidden, mut residual) = (vec![0.5; HIDDEN], vec![0.0; HIDDEN]);
-    let err = decode_layers(&layers, &mut caches, shape(), step, &mut hidden, &mut residual, 1).unwrap_err();
+    let err =
+        decode_layers(&layers, None, &mut caches, shape(), step, &mut hidden, &mut residual, 1).unwrap_err();
     assert!(matches!(err, KernelError::Value { name: "positions", .. }), "{err}");
     assert!(key.iter().all(|&v| v == 7.0));
 }
@@ -445,11 +462,13 @@ fn refuses_a_cache_per_layer_missing_and_a_mis_sized_weight() {
     let tables = vec![0; BLOCKS_PER_SEQ];
     let step = one_token(&[0], &tables, &table);
     let (mut hidden, mut residual) = (vec![0.5; HIDDEN], vec![0.0; HIDDEN]);
-    let err = decode_layers(&layers, &mut [], shape(), step, &mut hidden, &mut residual, 1).unwrap_err();
+    let err =
+        decode_layers(&layers, None, &mut [], shape(), step, &mut hidden, &mut residual, 1).unwrap_err();
     assert_eq!(err, KernelError::Size { name: "caches", expected: 1, actual: 0 });
     let (mut key, mut value) = (vec![0.0; 1024], vec![0.0; 1024]);
     let mut caches = [LayerCache { key: &mut key, value: &mut value }];
     let wide = DecoderShape { intermediate: INTER + 1, ..shape() };
-    let err = decode_layers(&layers, &mut caches, wide, step, &mut hidden, &mut residual, 1).unwrap_err();
+    let err =
+        decode_layers(&layers, None, &mut caches, wide, step, &mut hidden, &mut residual, 1).unwrap_err();
     assert!(matches!(err, KernelError::Size { name: "gate_up", .. }), "{err}");
 }
