@@ -6,8 +6,9 @@
 //! this object lives, and passes each step's tensors (contiguous, of the dtypes named below) for
 //! the duration of `run`. A linear layer is described by a tuple whose first item names its form:
 //!
-//! - `("gguf", in_features, [(ggml_type, weight, row_stride, out_features), ...])`: stacked
-//!   GGUF blocks, as `cpu_gguf_linear` takes them;
+//! - `("gguf", in_features, [(ggml_type, weight, row_stride, out_features), ...], residual=False)`:
+//!   stacked GGUF blocks, as `cpu_gguf_linear` takes them (`residual`: the activations' residual
+//!   too, as an LM head's);
 //! - `("wq", bits, qweight, scales, mins | None, out_features, in_features, group_size)`: as
 //!   `cpu_wq_linear`;
 //! - `("w8a8", packed, weight_scale, input_scale | None, input_zero_point, out_features,
@@ -19,11 +20,13 @@
 //! The activations, norms, bias, rotary table and caches are all `dtype`: `float32`, or
 //! `bfloat16` where every linear layer is `"bf16"`.
 
-use ferrollm_kernels::decoder::{decode_layers, DecodeStep, DecoderLayer, DecoderShape, LayerCache, Linear};
+use ferrollm_kernels::decoder::{
+    decode_layers, greedy_tokens, DecodeStep, DecoderLayer, DecoderShape, LayerCache, Linear,
+};
 use ferrollm_kernels::gemm_bf16::Bf16Kernel;
 use ferrollm_kernels::quant::w8a8::{ActQuant, W8a8Weight};
 use ferrollm_kernels::quant::wq::{QWeight, WqWeight};
-use ferrollm_kernels::quant::{GgmlType, QuantWeight};
+use ferrollm_kernels::quant::{Activations, GgmlType, QuantWeight};
 use ferrollm_kernels::{Bf16, SimdElement};
 use pyo3::prelude::*;
 use pyo3::types::PyTuple;
@@ -35,7 +38,7 @@ use crate::gguf::WeightSpec;
 /// A linear layer's form and where its tensors are.
 #[derive(Clone)]
 enum LinearSpec {
-    Gguf { in_features: usize, weights: Vec<(GgmlType, Buffer, usize, usize, bool)> },
+    Gguf { in_features: usize, weights: Vec<(GgmlType, Buffer, usize, usize, bool)>, residual: bool },
     Wq { bits: u32, q: Buffer, scales: Buffer, mins: Option<Buffer>, out: usize, inp: usize, group: usize },
     W8a8 { packed: Buffer, scale: Buffer, act: ActQuant, out: usize, inp: usize },
     Bf16 { packed: Buffer, out: usize, inp: usize, kernel: Bf16Kernel },
@@ -48,7 +51,8 @@ impl LinearSpec {
         let rest = spec.get_slice(1, spec.len());
         Ok(match form.as_str() {
             "gguf" => {
-                let (in_features, raw): (usize, Vec<WeightSpec>) = rest.extract()?;
+                let (in_features, raw): (usize, Vec<WeightSpec>) = rest.get_slice(0, 2).extract()?;
+                let residual = rest.len() > 2 && rest.get_item(2)?.extract::<bool>()?;
                 let mut weights = Vec::with_capacity(raw.len());
                 for (id, data, stride, out, interleaved) in raw {
                     let Some(t) = GgmlType::from_id(id) else {
@@ -56,7 +60,7 @@ impl LinearSpec {
                     };
                     weights.push((t, data, stride, out, interleaved));
                 }
-                LinearSpec::Gguf { in_features, weights }
+                LinearSpec::Gguf { in_features, weights, residual }
             }
             "wq" => {
                 let (bits, q, scales, mins, out, inp, group) = rest.extract()?;
@@ -96,8 +100,8 @@ impl LinearSpec {
     /// The buffers must still be live (see the module doc).
     unsafe fn linear(&self) -> Linear<'_> {
         match *self {
-            LinearSpec::Gguf { in_features, ref weights } => Linear::Gguf(
-                weights
+            LinearSpec::Gguf { in_features, ref weights, residual } => Linear::Gguf {
+                weights: weights
                     .iter()
                     .map(|&(ggml_type, data, row_stride, out_features, interleaved)| QuantWeight {
                         ggml_type,
@@ -108,7 +112,8 @@ impl LinearSpec {
                         interleaved,
                     })
                     .collect(),
-            ),
+                activations: if residual { Activations::Residual } else { Activations::Int8 },
+            },
             LinearSpec::Wq { bits, q, scales, mins, out, inp, group } => {
                 let q = if bits == 4 { QWeight::Int4(view::<u8>(q)) } else { QWeight::Int8(view::<i8>(q)) };
                 let weight = WqWeight { q, scales: view(scales), mins: mins.map(|m| view(m)) };
@@ -155,6 +160,8 @@ pub struct PyCpuDecoder {
     layers: Vec<LayerSpec>,
     /// The model's final norm (`[hidden]`, of `dtype`), applied after the last layer.
     final_norm: Option<Buffer>,
+    /// The LM head and the vocabulary's size, for `run`'s greedy tokens.
+    lm_head: Option<(LinearSpec, usize)>,
     bf16: bool,
 }
 
@@ -162,9 +169,10 @@ pub struct PyCpuDecoder {
 impl PyCpuDecoder {
     /// `layers`: per layer `(input_norm, post_attention_norm, qkv, qkv_bias | None, o, gate_up,
     /// down)`, norms and bias of `dtype`, the linear layers as the module doc describes;
-    /// `final_norm`: the model's norm after the last layer (see `decode_layers`), or None.
+    /// `final_norm`: the model's norm after the last layer (see `decode_layers`), or None;
+    /// `lm_head`: `(linear layer, vocab)`, the head `run` takes greedy tokens from, or None.
     #[new]
-    #[pyo3(signature = (hidden, num_heads, num_kv_heads, head_dim, rotary_dim, intermediate, eps, scale, layers, dtype = "float32", final_norm = None))]
+    #[pyo3(signature = (hidden, num_heads, num_kv_heads, head_dim, rotary_dim, intermediate, eps, scale, layers, dtype = "float32", final_norm = None, lm_head = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         hidden: usize,
@@ -178,6 +186,7 @@ impl PyCpuDecoder {
         layers: Vec<LayerArgs<'_>>,
         dtype: &str,
         final_norm: Option<Buffer>,
+        lm_head: Option<(Bound<'_, PyTuple>, usize)>,
     ) -> PyResult<Self> {
         let bf16 = match dtype {
             "float32" => false,
@@ -205,7 +214,9 @@ impl PyCpuDecoder {
                 })
             })
             .collect::<PyResult<_>>()?;
-        Ok(Self { shape, layers, final_norm, bf16 })
+        let lm_head =
+            lm_head.map(|(spec, vocab)| LinearSpec::parse(&spec).map(|s| (s, vocab))).transpose()?;
+        Ok(Self { shape, layers, final_norm, lm_head, bf16 })
     }
 
     /// The number of layers.
@@ -220,8 +231,11 @@ impl PyCpuDecoder {
     /// `seq_lens` int32 `[rows]`, `cos_sin`, and each layer's `(key_cache, value_cache)`; the
     /// float tensors all of the decoder's `dtype`. `chunk_after`: the rows are instead one
     /// request's prompt chunk after its `chunk_after` cached tokens (`block_tables` and
-    /// `seq_lens` that request's).
-    #[pyo3(signature = (hidden, residual, positions, slot_mapping, block_tables, max_blocks_per_seq, seq_lens, block_size, cos_sin, caches, threads, chunk_after=None))]
+    /// `seq_lens` that request's). `greedy`: `(logits, tokens)`, the LM head's product of the
+    /// normed rows (`[rows, head out_features]`, of `dtype`, scratch) and each row's greedy token
+    /// (int64 `[rows]`, written; see `greedy_tokens`), for a decoder built with a final norm and
+    /// an LM head.
+    #[pyo3(signature = (hidden, residual, positions, slot_mapping, block_tables, max_blocks_per_seq, seq_lens, block_size, cos_sin, caches, threads, chunk_after=None, greedy=None))]
     #[allow(clippy::too_many_arguments)]
     fn run(
         &self,
@@ -238,7 +252,12 @@ impl PyCpuDecoder {
         caches: Vec<(Buffer, Buffer)>,
         threads: usize,
         chunk_after: Option<usize>,
+        greedy: Option<(Buffer, Buffer)>,
     ) -> PyResult<()> {
+        if greedy.is_some() && (self.lm_head.is_none() || self.final_norm.is_none()) {
+            let msg = "`greedy` needs a decoder built with `final_norm` and `lm_head`";
+            return Err(raise("KernelError", msg.to_string()));
+        }
         let step = StepBuffers {
             positions,
             slot_mapping,
@@ -247,6 +266,7 @@ impl PyCpuDecoder {
             seq_lens,
             block_size,
             chunk_after,
+            greedy,
         };
         // SAFETY: the weights are live while `self` is (the caller's promise, see the module
         // doc); the step's buffers for this call. `hidden`, `residual` and the caches are
@@ -270,6 +290,7 @@ struct StepBuffers {
     seq_lens: Buffer,
     block_size: usize,
     chunk_after: Option<usize>,
+    greedy: Option<(Buffer, Buffer)>,
 }
 
 impl PyCpuDecoder {
@@ -303,8 +324,16 @@ impl PyCpuDecoder {
         };
         let (hidden, residual) = (view_mut::<T>(hidden), view_mut::<T>(residual));
         let final_norm = self.final_norm.map(|b| view::<T>(b));
+        let head = self.lm_head.as_ref().map(|(spec, vocab)| (spec.linear(), *vocab));
+        let greedy = step.greedy.map(|(logits, tokens)| (view_mut::<T>(logits), view_mut::<i64>(tokens)));
         py.detach(|| {
-            decode_layers(&layers, final_norm, &mut caches, self.shape, decode, hidden, residual, threads)
+            decode_layers(&layers, final_norm, &mut caches, self.shape, decode, hidden, residual, threads)?;
+            match (greedy, head) {
+                (Some((logits, tokens)), Some((head, vocab))) => {
+                    greedy_tokens(&head, hidden, vocab, logits, tokens, threads)
+                }
+                _ => Ok(()),
+            }
         })
         .map_err(kernel_error)
     }

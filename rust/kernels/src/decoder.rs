@@ -41,10 +41,12 @@ use crate::norm::{fused_add_rms_norm, rms_norm, RmsNormWeight};
 use crate::prefill::{
     paged_prefill, supports as prefill_supports, PrefillInputs, PrefillOptions, PrefillShape,
 };
-use crate::quant::matmul::{matmul_stacked, QuantWeight};
+use crate::quant::matmul::{matmul_stacked_on, Activations, QuantWeight};
 use crate::quant::w8a8::{w8a8_linear, ActQuant, W8a8Shape, W8a8Weight};
 use crate::quant::wq::{wq_linear, WqShape, WqWeight};
+use crate::quant::Isa;
 use crate::rotary::{rotate_neox, RotaryShape};
+use crate::sample::argmax;
 use crate::simd::SimdElement;
 use crate::Bf16;
 use std::any::TypeId;
@@ -52,8 +54,9 @@ use std::any::TypeId;
 /// A linear layer's weight `[out_features, in_features]` in one of the CPU kernels' forms.
 #[derive(Clone, Debug)]
 pub enum Linear<'a> {
-    /// GGUF blocks, several tensors stacked along the output features (q, k, v; gate, up).
-    Gguf(Vec<QuantWeight<'a>>),
+    /// GGUF blocks, several tensors stacked along the output features (q, k, v; gate, up), and
+    /// how the activations meet them (`Activations::Residual` for an LM head).
+    Gguf { weights: Vec<QuantWeight<'a>>, activations: Activations },
     /// Weight-only int4/int8 with group scales (GPTQ, AWQ, compressed-tensors W4A16/W8A16).
     Wq { weight: WqWeight<'a>, out_features: usize, in_features: usize, group_size: usize },
     /// int8 weights times int8 activations (compressed-tensors W8A8, `quantization="int8"`).
@@ -69,7 +72,7 @@ pub enum Linear<'a> {
 impl Linear<'_> {
     pub fn out_features(&self) -> usize {
         match self {
-            Linear::Gguf(weights) => weights.iter().map(|w| w.out_features).sum(),
+            Linear::Gguf { weights, .. } => weights.iter().map(|w| w.out_features).sum(),
             Linear::Wq { out_features, .. }
             | Linear::W8a8 { out_features, .. }
             | Linear::Bf16 { out_features, .. }
@@ -79,7 +82,7 @@ impl Linear<'_> {
 
     pub fn in_features(&self) -> usize {
         match self {
-            Linear::Gguf(weights) => weights.first().map_or(0, |w| w.in_features),
+            Linear::Gguf { weights, .. } => weights.first().map_or(0, |w| w.in_features),
             Linear::Wq { in_features, .. }
             | Linear::W8a8 { in_features, .. }
             | Linear::Bf16 { in_features, .. }
@@ -107,7 +110,9 @@ impl Linear<'_> {
         let (x, out) = f32_activations(x, out)?;
         let bias = bias.and_then(as_f32);
         match *self {
-            Linear::Gguf(ref weights) => matmul_stacked(weights, x, rows, bias, out, threads),
+            Linear::Gguf { ref weights, activations } => {
+                matmul_stacked_on(Isa::detect(), activations, weights, x, rows, bias, out, threads)
+            }
             Linear::Wq { weight, out_features, in_features, group_size } => {
                 let shape = WqShape { rows, out_features, in_features, group_size };
                 wq_linear(x, weight, bias, out, shape, threads)
@@ -285,6 +290,35 @@ pub fn decode_layers<T: SimdElement>(
         hidden.copy_from_slice(&scratch.normed);
     }
     residual.copy_from_slice(&scratch.stream);
+    Ok(())
+}
+
+/// The LM head over a decode step's normed rows (`normed`: `[rows, hidden]`, as
+/// [`decode_layers`] leaves them with the final norm) and each row's greedy token: `logits`
+/// (`[rows, head.out_features()]`, scratch) gets the product, `tokens[row]` the column of the
+/// row's largest logit among its first `vocab` (past them, a padded head's zero rows): the first
+/// of equal maxima, and a NaN counts as the largest, as torch's argmax and the sampler's
+/// greedy rows take them. The step then returns to Python with its tokens, not a row of logits
+/// for the sampler.
+pub fn greedy_tokens<T: Element>(
+    head: &Linear<'_>,
+    normed: &[T],
+    vocab: usize,
+    logits: &mut [T],
+    tokens: &mut [i64],
+    threads: usize,
+) -> Result<(), KernelError> {
+    let (rows, width) = (tokens.len(), head.out_features());
+    if vocab == 0 || vocab > width {
+        let limit = format!("in 1..={width} (the head's output features)");
+        return Err(KernelError::Value { name: "vocab", limit, value: vocab as i64 });
+    }
+    check_len("normed", normed.len(), rows * head.in_features())?;
+    check_len("logits", logits.len(), rows * width)?;
+    head.forward(normed, rows, None, logits, threads)?;
+    for (token, row) in tokens.iter_mut().zip(logits.chunks_exact(width)) {
+        *token = argmax(&row[..vocab]) as i64;
+    }
     Ok(())
 }
 

@@ -86,6 +86,41 @@ fn draw(row: &[f32], u: f64, threads: usize) -> Option<usize> {
     pick(row, u, max, &masses)
 }
 
+/// The index of `row`'s first largest value, or of its first NaN, as torch's argmax (and the
+/// sampler's greedy rows) take it. The maximum comes from the lanes of [`row_max`] (vectorized,
+/// NaN passed over), then the first index holding it; a row with a NaN or an infinity, where
+/// those lanes cannot be trusted, is walked one value at a time.
+pub fn argmax<T: Element>(row: &[T]) -> usize {
+    let (max, finite) = max_and_finite(row);
+    let target = |x: f32| if finite { x == max } else { x.is_nan() };
+    if let Some(i) = row.iter().position(|x| target(x.to_f32())) {
+        return i;
+    }
+    // Not finite and no NaN: infinities; the plain maximum (the first of equal ones) is right.
+    let mut best = 0;
+    for (i, x) in row.iter().enumerate() {
+        if x.to_f32() > row[best].to_f32() {
+            best = i;
+        }
+    }
+    best
+}
+
+multiversion!(fn max_and_finite<T>(row: &[T]) -> (f32, bool) => max_and_finite_body);
+
+/// `row`'s maximum and whether every value is finite (`x - x` is 0 only for those).
+#[inline(always)]
+fn max_and_finite_body<T: Element>(row: &[T]) -> (f32, bool) {
+    let mut zeros = [0.0f32; LANES];
+    for chunk in row.chunks(LANES) {
+        for (z, x) in zeros.iter_mut().zip(chunk) {
+            let x = x.to_f32();
+            *z += x - x;
+        }
+    }
+    (row_max(row), zeros.iter().all(|z| *z == 0.0))
+}
+
 // Compiled for the widest vectors the CPU has: the two passes are the draw's time, and `exp`
 // vectorizes. Plain loops inside: an iterator adapter's `fold` is a function of its own,
 // compiled without the caller's vector features (it ran the exponentials four lanes wide).
@@ -198,6 +233,25 @@ fn block_mass<T: Element>(block: &[T], max: f32) -> f64 {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn argmax_takes_the_first_maximum_or_the_first_nan_as_torch_does() {
+        use super::argmax;
+        let mut row: Vec<f32> = (0..1000).map(|i| ((i * 37) % 101) as f32 * 0.5 - 20.0).collect();
+        let max = row.iter().cloned().fold(f32::MIN, f32::max);
+        assert_eq!(argmax(&row), row.iter().position(|&x| x == max).unwrap());
+        row[900] = 1e9;
+        row[950] = 1e9;
+        assert_eq!(argmax(&row), 900);
+        row[999] = f32::NAN;
+        assert_eq!(argmax(&row), 999);
+        row[3] = f32::INFINITY;
+        assert_eq!(argmax(&row), 999);
+        row[999] = 0.0;
+        assert_eq!(argmax(&row), 3);
+        assert_eq!(argmax(&[f32::NEG_INFINITY, f32::NEG_INFINITY]), 0);
+        assert_eq!(argmax(&[crate::Bf16::from_f32(1.0), crate::Bf16::from_f32(2.0)]), 1);
+    }
+
     use super::*;
     use crate::test_support::values;
 

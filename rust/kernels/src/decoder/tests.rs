@@ -472,3 +472,22 @@ fn refuses_a_cache_per_layer_missing_and_a_mis_sized_weight() {
         decode_layers(&layers, None, &mut caches, wide, step, &mut hidden, &mut residual, 1).unwrap_err();
     assert!(matches!(err, KernelError::Size { name: "gate_up", .. }), "{err}");
 }
+
+#[test]
+fn greedy_tokens_are_the_argmax_of_the_head_s_logits_within_the_vocabulary() {
+    // A 40-row head whose last 8 rows are a padded vocabulary's: never taken, however large.
+    let head = Int8::new(40, HIDDEN, 3);
+    let normed = values(2 * HIDDEN, 11);
+    let (mut logits, mut tokens) = (vec![0.0f32; 2 * 40], [0i64; 2]);
+    greedy_tokens(&head.linear(), &normed, 32, &mut logits, &mut tokens, 2).unwrap();
+    let want = linear(&normed, &head.dense(), None, 2, 40, HIDDEN);
+    for (row, &token) in tokens.iter().enumerate() {
+        let row = &want[row * 40..][..32];
+        let best = row.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+        assert_eq!(row[token as usize], best, "{row:?}");
+    }
+    let err = greedy_tokens(&head.linear(), &normed, 41, &mut logits, &mut tokens, 1).unwrap_err();
+    assert!(err.to_string().contains("`vocab` must be in 1..=40"), "{err}");
+    let err = greedy_tokens(&head.linear(), &normed[1..], 32, &mut logits, &mut tokens, 1).unwrap_err();
+    assert_eq!(err, KernelError::Size { name: "normed", expected: 2 * HIDDEN, actual: 2 * HIDDEN - 1 });
+}
