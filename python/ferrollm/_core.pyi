@@ -294,6 +294,7 @@ class CpuDecoder:
                            tuple[Any, ...]]],
         dtype: str = "float32",
         final_norm: _Buffer | None = None,
+        lm_head: tuple[tuple[Any, ...], int] | None = None,
     ) -> CpuDecoder: ...
     def __len__(self) -> int: ...
     def run(
@@ -310,6 +311,7 @@ class CpuDecoder:
         caches: list[tuple[_Buffer, _Buffer]],
         threads: int,
         chunk_after: int | None = None,
+        greedy: tuple[_Buffer, _Buffer] | None = None,
     ) -> None: ...
 
 @final

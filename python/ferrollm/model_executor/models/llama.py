@@ -175,11 +175,7 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids, positions, kv_caches, attn_metadata, inputs_embeds=None):
         # Multimodal models pass the embeddings already scaled, with their images' rows merged in
         # (Gemma 3 scales the text rows only).
-        hidden_states = inputs_embeds
-        if hidden_states is None:
-            hidden_states = self.embed_tokens(input_ids)
-            if self.embed_scale is not None:
-                hidden_states = hidden_states * self.embed_scale
+        hidden_states = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         decoder = self._cpu_decoder_for(hidden_states, kv_caches, attn_metadata)
         if decoder is not None:  # the final norm included
             return decoder.run(hidden_states, positions, kv_caches, attn_metadata)
@@ -189,9 +185,17 @@ class LlamaModel(nn.Module):
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The token embeddings, scaled where the model scales them."""
+        hidden_states = self.embed_tokens(input_ids)
+        return hidden_states if self.embed_scale is None else hidden_states * self.embed_scale
+
     # The one-call CPU decoder (`kernels.cpu.decoder`), built at the first CPU decode step: False
     # until then, None where the layers need the layer path.
     _cpu_decoder: CpuDecoder | None | bool = False
+    # The causal LM's head, which the decoder takes greedy tokens from (`LlamaForCausalLM.
+    # greedy_tokens`); held in a tuple, as a submodule its parameters would be listed twice.
+    _decoder_head: tuple[nn.Module, ...] = ()
 
     def _cpu_decoder_for(self, hidden_states: torch.Tensor, kv_caches: list[torch.Tensor],
                          attn_metadata: AttentionMetadata) -> CpuDecoder | None:
@@ -205,7 +209,7 @@ class LlamaModel(nn.Module):
         if self._cpu_decoder is False:
             if not attn_metadata.is_decode_only:
                 return None  # built at the first decode step, as the log line says
-            self._cpu_decoder = build_cpu_decoder(self)
+            self._cpu_decoder = build_cpu_decoder(self, *self._decoder_head)
         decoder = self._cpu_decoder
         if (isinstance(decoder, CpuDecoder) and decoder.takes_step(attn_metadata)
                 and decoder.takes(hidden_states, kv_caches)):
@@ -250,6 +254,7 @@ class LlamaForCausalLM(CausalLMInterface, nn.Module):
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, params_dtype=dtype)
         if self.tie_word_embeddings:
             self.lm_head.tie_weights(self.model.embed_tokens)
+        self.model._decoder_head = (self.lm_head,)
 
     @classmethod
     def layer_options(cls, config: PretrainedConfig, layer_idx: int) -> LayerOptions:
@@ -287,6 +292,20 @@ class LlamaForCausalLM(CausalLMInterface, nn.Module):
             Final hidden states ``[num_tokens, hidden_size]``.
         """
         return self.model(input_ids, positions, kv_caches, attn_metadata)
+
+    def greedy_tokens(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                      attn_metadata: AttentionMetadata) -> torch.Tensor | None:
+        """Each row's greedy token (int64 ``[num_tokens]``) of a decode step, the LM head and the
+        argmax in the one-call CPU decoder's call (`CpuDecoder.greedy`); None where that decoder
+        does not take the step, and the caller runs `forward` and samples as usual. The caller
+        checks that every row samples greedily with nothing that edits its logits."""
+        if not attn_metadata.is_decode_only:
+            return None
+        hidden_states = self.model.embed(input_ids)
+        decoder = self.model._cpu_decoder_for(hidden_states, kv_caches, attn_metadata)
+        if decoder is None or not decoder.samples_greedily:
+            return None
+        return decoder.greedy(hidden_states, positions, kv_caches, attn_metadata)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Loads an HF checkpoint's tensors by name.

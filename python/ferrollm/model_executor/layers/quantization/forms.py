@@ -60,7 +60,7 @@ class QuantizedLinear:
             self.kind = "gguf"
             # Stacked along the output features in one kernel call (q, k, v; gate, up).
             self.segments = [_gguf_segment(s) for s in w]
-            self.in_features = w[0].in_features
+            self.out_features, self.in_features = sum(s.data.shape[0] for s in w), w[0].in_features
             # Interleaved segments hold the only copy: their source keeps just its shape.
             self.source = [s if isinstance(g, tuple) else _shape_only(s) for s, g in zip(w, self.segments)]
             return
