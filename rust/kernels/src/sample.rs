@@ -110,6 +110,7 @@ multiversion!(fn max_and_finite<T>(row: &[T]) -> (f32, bool) => max_and_finite_b
 
 /// `row`'s maximum and whether every value is finite (`x - x` is 0 only for those).
 #[inline(always)]
+#[allow(clippy::eq_op)]
 fn max_and_finite_body<T: Element>(row: &[T]) -> (f32, bool) {
     let mut zeros = [0.0f32; LANES];
     for chunk in row.chunks(LANES) {
