@@ -311,7 +311,7 @@ class CpuDecoder:
         caches: list[tuple[_Buffer, _Buffer]],
         threads: int,
         chunk_after: int | None = None,
-        greedy: tuple[_Buffer, _Buffer] | None = None,
+        sample: tuple[_Buffer, _Buffer, _Buffer | None] | None = None,
     ) -> None: ...
 
 @final

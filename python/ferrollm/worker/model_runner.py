@@ -22,6 +22,7 @@ from ferrollm.attention.backend import AttentionMetadata, step_tensor
 from ferrollm.distributed.parallel_state import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 from ferrollm.model_executor.sampler import Sampler, SamplerOutput, compute_prompt_logprobs
 from ferrollm.model_executor.sampling_metadata import SamplingMetadata
+from ferrollm.model_executor.sampling_ops import row_uniforms
 from ferrollm.multimodal.inputs import MultiModalInputs
 from ferrollm.sampling_params import SamplingParams
 from ferrollm.worker.cpu_allocator import keep_freed_memory
@@ -147,9 +148,9 @@ class ModelRunner:
         meta = AttentionMetadata.from_step(step, self.block_size, self.device)
         input_ids = step_tensor(step.input_ids, self.device)
         states = [self.requests[i] for i in step.req_indices.tolist()]
-        greedy = self._greedy_step(step, meta, input_ids, states)
-        if greedy is not None:
-            return greedy
+        sampled = self._sample_in_model(step, meta, input_ids, states)
+        if sampled is not None:
+            return sampled
         if self.is_multimodal:
             positions, mm_embeds, meta.image_spans = self._multimodal_step(step, states)
             hidden = self.forward(input_ids, positions, self.kv_caches, meta, mm_embeds=mm_embeds)
@@ -177,20 +178,24 @@ class ModelRunner:
         self._record_samples(sampling_states, sampled[rows], out)
         return sampled
 
-    def _greedy_step(self, step: SchedulerOutput, meta: AttentionMetadata, input_ids: torch.Tensor,
-                     states: list[CachedRequestState]) -> np.ndarray | None:
-        """The tokens of a decode step whose every row samples greedily, with no logprobs and
-        nothing that edits the logits, from the model's `greedy_tokens` (the LM head and argmax
-        inside the CPU decoder's call), recorded as the sampler's would be; None to run the step
-        as usual. The same argmax of the same logits as the sampler's greedy rows."""
-        greedy_tokens = getattr(self.model, "greedy_tokens", None)
-        if (greedy_tokens is None or not self.is_driver or self.is_multimodal or self.cuda_graphs is not None
+    def _sample_in_model(self, step: SchedulerOutput, meta: AttentionMetadata, input_ids: torch.Tensor,
+                         states: list[CachedRequestState]) -> np.ndarray | None:
+        """The tokens of a decode step whose rows all sample greedily, or all at temperature 1
+        with no filter, with no logprobs and nothing that edits the logits, from the model's
+        `sample_tokens` (the LM head and the draw inside the CPU decoder's call), recorded as the
+        sampler's would be; None to run the step as usual. The sampler's own argmax or draw of
+        the same logits, at the same uniform numbers from the same generators."""
+        sample_tokens = getattr(self.model, "sample_tokens", None)
+        if (sample_tokens is None or not self.is_driver or self.is_multimodal or self.cuda_graphs is not None
                 or self.logits_processors is not None or not meta.is_decode_only or not step.needs_sample.all()
                 or any(s.params.prompt_logprobs is not None or not _samples_steadily(s) for s in states)):
             return None  # a row that does not sample steadily would have its metadata built twice
-        if not _plain_greedy(self._sampling_metadata(step, np.arange(len(step)), states)):
+        sampling = self._sampling_metadata(step, np.arange(len(step)), states)
+        plain = _as_drawn(sampling)
+        if plain is None:
             return None
-        tokens = greedy_tokens(input_ids, step_tensor(step.positions, self.device), self.kv_caches, meta)
+        uniforms = (lambda: row_uniforms(len(step), sampling.generators).view(-1)) if plain == "random" else None
+        tokens = sample_tokens(input_ids, step_tensor(step.positions, self.device), self.kv_caches, meta, uniforms)
         if tokens is None:
             return None
         sampled = tokens.numpy()
@@ -298,12 +303,19 @@ class ModelRunner:
             state.prompt_logprobs.extend((ids[i], lps[i], int(ranks[i])) for i in range(end - start))
 
 
-def _plain_greedy(meta: SamplingMetadata) -> bool:
-    """Every row takes its argmax of the model's logits as they are: greedy, no logprobs, and no
-    stage of `Sampler._process_logits_` that could move the argmax."""
-    return (meta.all_greedy and meta.max_num_logprobs is None and meta.no_penalties
-            and meta.allowed_token_ids_mask is None and meta.bad_words is None and meta.min_tokens_stop is None
-            and meta.logit_bias is None and not meta.logits_processors)
+def _as_drawn(meta: SamplingMetadata) -> str | None:
+    """``"greedy"`` where every row takes its argmax of the model's logits as they are, ``"random"``
+    where every row draws from them at temperature 1 with no top-k, top-p or min-p; None where
+    logprobs are asked or a stage of `Sampler._process_logits_` edits the logits."""
+    if (meta.max_num_logprobs is not None or not meta.no_penalties or meta.allowed_token_ids_mask is not None
+            or meta.bad_words is not None or meta.min_tokens_stop is not None or meta.logit_bias is not None
+            or meta.logits_processors):
+        return None
+    if meta.all_greedy:
+        return "greedy"
+    if meta.all_random and meta.unit_temperature and meta.no_top_k and meta.no_top_p and meta.no_min_p:
+        return "random"
+    return None
 
 
 def _samples_steadily(state: CachedRequestState) -> bool:

@@ -21,7 +21,7 @@
 //! `bfloat16` where every linear layer is `"bf16"`.
 
 use ferrollm_kernels::decoder::{
-    decode_layers, greedy_tokens, DecodeStep, DecoderLayer, DecoderShape, LayerCache, Linear,
+    decode_layers, sample_tokens, DecodeStep, DecoderLayer, DecoderShape, LayerCache, Linear,
 };
 use ferrollm_kernels::gemm_bf16::Bf16Kernel;
 use ferrollm_kernels::quant::w8a8::{ActQuant, W8a8Weight};
@@ -160,7 +160,7 @@ pub struct PyCpuDecoder {
     layers: Vec<LayerSpec>,
     /// The model's final norm (`[hidden]`, of `dtype`), applied after the last layer.
     final_norm: Option<Buffer>,
-    /// The LM head and the vocabulary's size, for `run`'s greedy tokens.
+    /// The LM head and the vocabulary's size, for `run`'s sampled tokens.
     lm_head: Option<(LinearSpec, usize)>,
     bf16: bool,
 }
@@ -170,7 +170,7 @@ impl PyCpuDecoder {
     /// `layers`: per layer `(input_norm, post_attention_norm, qkv, qkv_bias | None, o, gate_up,
     /// down)`, norms and bias of `dtype`, the linear layers as the module doc describes;
     /// `final_norm`: the model's norm after the last layer (see `decode_layers`), or None;
-    /// `lm_head`: `(linear layer, vocab)`, the head `run` takes greedy tokens from, or None.
+    /// `lm_head`: `(linear layer, vocab)`, the head `run` samples tokens from, or None.
     #[new]
     #[pyo3(signature = (hidden, num_heads, num_kv_heads, head_dim, rotary_dim, intermediate, eps, scale, layers, dtype = "float32", final_norm = None, lm_head = None))]
     #[allow(clippy::too_many_arguments)]
@@ -231,11 +231,11 @@ impl PyCpuDecoder {
     /// `seq_lens` int32 `[rows]`, `cos_sin`, and each layer's `(key_cache, value_cache)`; the
     /// float tensors all of the decoder's `dtype`. `chunk_after`: the rows are instead one
     /// request's prompt chunk after its `chunk_after` cached tokens (`block_tables` and
-    /// `seq_lens` that request's). `greedy`: `(logits, tokens)`, the LM head's product of the
-    /// normed rows (`[rows, head out_features]`, of `dtype`, scratch) and each row's greedy token
-    /// (int64 `[rows]`, written; see `greedy_tokens`), for a decoder built with a final norm and
-    /// an LM head.
-    #[pyo3(signature = (hidden, residual, positions, slot_mapping, block_tables, max_blocks_per_seq, seq_lens, block_size, cos_sin, caches, threads, chunk_after=None, greedy=None))]
+    /// `seq_lens` that request's). `sample`: `(logits, tokens, uniforms | None)`, the LM head's
+    /// product of the normed rows (`[rows, head out_features]`, of `dtype`, scratch) and each
+    /// row's token (int64 `[rows]`, written): the greedy one, or the one drawn at its float64
+    /// uniform number (see `sample_tokens`); for a decoder built with a final norm and an LM head.
+    #[pyo3(signature = (hidden, residual, positions, slot_mapping, block_tables, max_blocks_per_seq, seq_lens, block_size, cos_sin, caches, threads, chunk_after=None, sample=None))]
     #[allow(clippy::too_many_arguments)]
     fn run(
         &self,
@@ -252,10 +252,10 @@ impl PyCpuDecoder {
         caches: Vec<(Buffer, Buffer)>,
         threads: usize,
         chunk_after: Option<usize>,
-        greedy: Option<(Buffer, Buffer)>,
+        sample: Option<SampleBuffers>,
     ) -> PyResult<()> {
-        if greedy.is_some() && (self.lm_head.is_none() || self.final_norm.is_none()) {
-            let msg = "`greedy` needs a decoder built with `final_norm` and `lm_head`";
+        if sample.is_some() && (self.lm_head.is_none() || self.final_norm.is_none()) {
+            let msg = "`sample` needs a decoder built with `final_norm` and `lm_head`";
             return Err(raise("KernelError", msg.to_string()));
         }
         let step = StepBuffers {
@@ -266,7 +266,7 @@ impl PyCpuDecoder {
             seq_lens,
             block_size,
             chunk_after,
-            greedy,
+            sample,
         };
         // SAFETY: the weights are live while `self` is (the caller's promise, see the module
         // doc); the step's buffers for this call. `hidden`, `residual` and the caches are
@@ -290,8 +290,11 @@ struct StepBuffers {
     seq_lens: Buffer,
     block_size: usize,
     chunk_after: Option<usize>,
-    greedy: Option<(Buffer, Buffer)>,
+    sample: Option<SampleBuffers>,
 }
+
+/// `run`'s `sample`: logits (scratch), tokens, and the uniform numbers of a random draw.
+type SampleBuffers = (Buffer, Buffer, Option<Buffer>);
 
 impl PyCpuDecoder {
     /// `run` with the float buffers read as `T`.
@@ -325,12 +328,14 @@ impl PyCpuDecoder {
         let (hidden, residual) = (view_mut::<T>(hidden), view_mut::<T>(residual));
         let final_norm = self.final_norm.map(|b| view::<T>(b));
         let head = self.lm_head.as_ref().map(|(spec, vocab)| (spec.linear(), *vocab));
-        let greedy = step.greedy.map(|(logits, tokens)| (view_mut::<T>(logits), view_mut::<i64>(tokens)));
+        let sample = step.sample.map(|(logits, tokens, uniforms)| {
+            (view_mut::<T>(logits), view_mut::<i64>(tokens), uniforms.map(|u| view::<f64>(u)))
+        });
         py.detach(|| {
             decode_layers(&layers, final_norm, &mut caches, self.shape, decode, hidden, residual, threads)?;
-            match (greedy, head) {
-                (Some((logits, tokens)), Some((head, vocab))) => {
-                    greedy_tokens(&head, hidden, vocab, logits, tokens, threads)
+            match (sample, head) {
+                (Some((logits, tokens, uniforms)), Some((head, vocab))) => {
+                    sample_tokens(&head, hidden, vocab, logits, uniforms, tokens, threads)
                 }
                 _ => Ok(()),
             }

@@ -46,7 +46,7 @@ class CpuDecoder:
     def __init__(self, core: _core.CpuDecoder, held: list[torch.Tensor], cos_sin: torch.Tensor,
                  dtype: torch.dtype, head_dim: int, head_width: int | None = None):
         self._core = core
-        # The LM head's output features where the decoder holds it (`greedy`); the logits it
+        # The LM head's output features where the decoder holds it (`sample`); the logits it
         # writes there are scratch, kept from step to step.
         self._head_width = head_width
         self._logits = torch.empty(0, dtype=dtype)
@@ -78,8 +78,8 @@ class CpuDecoder:
         return attn_metadata.num_reqs == 1 and attn_metadata.num_tokens <= MLP_SLAB_ROWS and self._chunks
 
     @property
-    def samples_greedily(self) -> bool:
-        """Whether `greedy` can run: the decoder holds the model's LM head."""
+    def holds_lm_head(self) -> bool:
+        """Whether `sample` can run: the decoder holds the model's LM head."""
         return self._head_width is not None
 
     def run(self, hidden_states: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
@@ -88,23 +88,26 @@ class CpuDecoder:
         hidden states the LM head reads. ``hidden_states`` (the embeddings) is left as it was."""
         return self._run(hidden_states, positions, kv_caches, attn_metadata, None)
 
-    def greedy(self, hidden_states: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-               attn_metadata) -> torch.Tensor:
-        """`run`, then the LM head and each row's greedy token (int64 ``[rows]``) in the same
-        call, for a decode step whose every row samples greedily with nothing that edits its
-        logits (the runner checks): the step returns to Python with its tokens. Between the
-        weight streams, Python and torch run from caches the weights evicted: the head's
-        product, its slicing and the sampler's argmax as separate calls took ~0.45 ms of a
-        Qwen2-0.5B Q4_0 step."""
-        assert self._head_width is not None, "call only where `samples_greedily` holds"
+    def sample(self, hidden_states: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+               attn_metadata, uniforms: torch.Tensor | None) -> torch.Tensor:
+        """`run`, then the LM head and each row's token (int64 ``[rows]``) in the same call: the
+        greedy one, or with ``uniforms`` (float64, one per row) the one drawn at that number from
+        the logits as they are, as the sampler's `sample_rows` draws. For a decode step whose
+        every row samples so, with nothing that edits its logits (the runner checks): the step
+        returns to Python with its tokens. Between the weight streams, Python and torch run from
+        caches the weights evicted: the head's product, its slicing and the sampler as separate
+        calls took ~0.45 ms of a Qwen2-0.5B Q4_0 step."""
+        assert self._head_width is not None, "call only where `holds_lm_head`"
         size = hidden_states.shape[0] * self._head_width
         if self._logits.numel() < size:
             self._logits = torch.empty(size, dtype=self.dtype)
         tokens = torch.empty(hidden_states.shape[0], dtype=torch.int64)
-        self._run(hidden_states, positions, kv_caches, attn_metadata, (_buf(self._logits[:size]), _buf(tokens)))
+        draw = None if uniforms is None else as_contiguous(uniforms, torch.float64)
+        self._run(hidden_states, positions, kv_caches, attn_metadata,
+                  (_buf(self._logits[:size]), _buf(tokens), None if draw is None else _buf(draw)))
         return tokens
 
-    def _run(self, hidden_states, positions, kv_caches, attn_metadata, greedy) -> torch.Tensor:
+    def _run(self, hidden_states, positions, kv_caches, attn_metadata, sample) -> torch.Tensor:
         caches = self._cache_buffers(kv_caches)
         assert caches is not None, "call only where `takes` holds"
         hidden = hidden_states.clone(memory_format=torch.contiguous_format)
@@ -117,7 +120,7 @@ class CpuDecoder:
         self._core.run(_buf(hidden), _buf(residual), _buf(positions), _buf(slots), _buf(tables), tables.shape[1],
                        _buf(lens), attn_metadata.block_size, _buf(self._cos_sin), caches, _threads(),
                        None if attn_metadata.is_decode_only else int(attn_metadata.num_computed_tokens[0]),
-                       greedy)
+                       sample)
         return hidden
 
     def _cache_buffers(self, kv_caches: list[torch.Tensor]):
@@ -137,7 +140,7 @@ class CpuDecoder:
 def build_cpu_decoder(model: nn.Module, lm_head: nn.Module | None = None) -> CpuDecoder | None:
     """The one-call decoder for ``model`` (a `LlamaModel`), or None where its layers need the
     layer path (the reason is logged once); with ``lm_head`` (a `ParallelLMHead`) where its form
-    is one the decoder multiplies by, for `CpuDecoder.greedy`."""
+    is one the decoder multiplies by, for `CpuDecoder.sample`."""
     reason = _refusal(model)
     if reason is not None:
         logger.info("one-call CPU decode off: %s", reason)
@@ -156,9 +159,10 @@ def build_cpu_decoder(model: nn.Module, lm_head: nn.Module | None = None) -> Cpu
                             float(layers[0].input_layernorm.variance_epsilon), float(attn.attn.scale), specs,
                             _DTYPE_NAMES[dtype], final_norm=_buf(held[0]),
                             lm_head=None if head is None else (head, lm_head.org_vocab_size))
-    logger.info("one-call CPU decode on: %d layers, %s activations, weights as %s; greedy steps %s", len(layers),
-                _DTYPE_NAMES[dtype], sorted({_form_name(layer.self_attn.qkv_proj._cpu) for layer in layers}),
-                "with the LM head and argmax in the call" if head else "sample in Python (the head's form stays there)")
+    logger.info("one-call CPU decode on: %d layers, %s activations, weights as %s; plain greedy or random "
+                "steps %s", len(layers), _DTYPE_NAMES[dtype],
+                sorted({_form_name(layer.self_attn.qkv_proj._cpu) for layer in layers}),
+                "sample in the call" if head else "sample in Python (the head's form stays there)")
     return CpuDecoder(core, held, rope.cos_sin_cache, dtype, attn.head_dim,
                       None if head is None else lm_head._cpu.out_features)
 

@@ -12,7 +12,7 @@ cover scaled embeddings and post-processed logits.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -193,8 +193,8 @@ class LlamaModel(nn.Module):
     # The one-call CPU decoder (`kernels.cpu.decoder`), built at the first CPU decode step: False
     # until then, None where the layers need the layer path.
     _cpu_decoder: CpuDecoder | None | bool = False
-    # The causal LM's head, which the decoder takes greedy tokens from (`LlamaForCausalLM.
-    # greedy_tokens`); held in a tuple, as a submodule its parameters would be listed twice.
+    # The causal LM's head, which the decoder samples tokens from (`LlamaForCausalLM.
+    # sample_tokens`); held in a tuple, as a submodule its parameters would be listed twice.
     _decoder_head: tuple[nn.Module, ...] = ()
 
     def _cpu_decoder_for(self, hidden_states: torch.Tensor, kv_caches: list[torch.Tensor],
@@ -293,19 +293,21 @@ class LlamaForCausalLM(CausalLMInterface, nn.Module):
         """
         return self.model(input_ids, positions, kv_caches, attn_metadata)
 
-    def greedy_tokens(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                      attn_metadata: AttentionMetadata) -> torch.Tensor | None:
-        """Each row's greedy token (int64 ``[num_tokens]``) of a decode step, the LM head and the
-        argmax in the one-call CPU decoder's call (`CpuDecoder.greedy`); None where that decoder
-        does not take the step, and the caller runs `forward` and samples as usual. The caller
-        checks that every row samples greedily with nothing that edits its logits."""
+    def sample_tokens(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                      attn_metadata: AttentionMetadata,
+                      uniforms: Callable[[], torch.Tensor] | None) -> torch.Tensor | None:
+        """Each row's token (int64 ``[num_tokens]``) of a decode step, the LM head and the draw in
+        the one-call CPU decoder's call (`CpuDecoder.sample`: greedy, or at the numbers
+        ``uniforms()`` gives, asked only once the decoder takes the step, so a step it does not
+        take draws nothing from the generators); None where it does not, and the caller runs
+        `forward` and samples as usual. The caller checks that nothing edits the rows' logits."""
         if not attn_metadata.is_decode_only:
             return None
         hidden_states = self.model.embed(input_ids)
         decoder = self.model._cpu_decoder_for(hidden_states, kv_caches, attn_metadata)
-        if decoder is None or not decoder.samples_greedily:
+        if decoder is None or not decoder.holds_lm_head:
             return None
-        return decoder.greedy(hidden_states, positions, kv_caches, attn_metadata)
+        return decoder.sample(hidden_states, positions, kv_caches, attn_metadata, uniforms and uniforms())
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Loads an HF checkpoint's tensors by name.

@@ -474,20 +474,26 @@ fn refuses_a_cache_per_layer_missing_and_a_mis_sized_weight() {
 }
 
 #[test]
-fn greedy_tokens_are_the_argmax_of_the_head_s_logits_within_the_vocabulary() {
+fn sampled_tokens_are_the_head_s_argmax_or_its_draw_within_the_vocabulary() {
     // A 40-row head whose last 8 rows are a padded vocabulary's: never taken, however large.
     let head = Int8::new(40, HIDDEN, 3);
     let normed = values(2 * HIDDEN, 11);
     let (mut logits, mut tokens) = (vec![0.0f32; 2 * 40], [0i64; 2]);
-    greedy_tokens(&head.linear(), &normed, 32, &mut logits, &mut tokens, 2).unwrap();
+    sample_tokens(&head.linear(), &normed, 32, &mut logits, None, &mut tokens, 2).unwrap();
     let want = linear(&normed, &head.dense(), None, 2, 40, HIDDEN);
-    for (row, &token) in tokens.iter().enumerate() {
-        let row = &want[row * 40..][..32];
+    let rows: Vec<f32> = want.chunks_exact(40).flat_map(|row| row[..32].to_vec()).collect();
+    for (row, &token) in rows.chunks_exact(32).zip(&tokens) {
         let best = row.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
         assert_eq!(row[token as usize], best, "{row:?}");
     }
-    let err = greedy_tokens(&head.linear(), &normed, 41, &mut logits, &mut tokens, 1).unwrap_err();
+    // Drawn as `sample_rows` draws from the vocabulary's logits, at each row's number.
+    let uniforms = [0.3, 0.97];
+    sample_tokens(&head.linear(), &normed, 32, &mut logits, Some(&uniforms), &mut tokens, 2).unwrap();
+    let mut drawn = [0i64; 2];
+    sample_rows(&rows, 32, &uniforms, &mut drawn, 2).unwrap();
+    assert_eq!(tokens, drawn);
+    let err = sample_tokens(&head.linear(), &normed, 41, &mut logits, None, &mut tokens, 1).unwrap_err();
     assert!(err.to_string().contains("`vocab` must be in 1..=40"), "{err}");
-    let err = greedy_tokens(&head.linear(), &normed[1..], 32, &mut logits, &mut tokens, 1).unwrap_err();
+    let err = sample_tokens(&head.linear(), &normed[1..], 32, &mut logits, None, &mut tokens, 1).unwrap_err();
     assert_eq!(err, KernelError::Size { name: "normed", expected: 2 * HIDDEN, actual: 2 * HIDDEN - 1 });
 }
