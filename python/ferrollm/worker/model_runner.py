@@ -184,9 +184,11 @@ class ModelRunner:
         with no filter, with no logprobs and nothing that edits the logits, from the model's
         `sample_tokens` (the LM head and the draw inside the CPU decoder's call), recorded as the
         sampler's would be; None to run the step as usual. The sampler's own argmax or draw of
-        the same logits, at the same uniform numbers from the same generators."""
+        the same logits, at the same uniform numbers from the same generators. One rank only:
+        with tensor parallelism the other ranks would not join the collectives of a model call
+        that then falls back (the one-call decoder runs one rank's layers)."""
         sample_tokens = getattr(self.model, "sample_tokens", None)
-        if (sample_tokens is None or not self.is_driver or self.is_multimodal or self.cuda_graphs is not None
+        if (sample_tokens is None or not self.is_driver or get_tensor_model_parallel_world_size() != 1 or self.is_multimodal or self.cuda_graphs is not None
                 or self.logits_processors is not None or not meta.is_decode_only or not step.needs_sample.all()
                 or any(s.params.prompt_logprobs is not None or not _samples_steadily(s) for s in states)):
             return None  # a row that does not sample steadily would have its metadata built twice
