@@ -497,3 +497,31 @@ fn sampled_tokens_are_the_head_s_argmax_or_its_draw_within_the_vocabulary() {
     let err = sample_tokens(&head.linear(), &normed[1..], 32, &mut logits, None, &mut tokens, 1).unwrap_err();
     assert_eq!(err, KernelError::Size { name: "normed", expected: 2 * HIDDEN, actual: 2 * HIDDEN - 1 });
 }
+
+#[test]
+fn refuses_a_prompt_chunk_that_does_not_add_up_before_writing_the_cache() {
+    let stack = [weights(1)];
+    let layers = [layer(&stack[0])];
+    let (mut key, mut value) = (vec![7.0; BLOCKS_PER_SEQ * BLOCK * KV_HEADS * DIM], vec![7.0; 1]);
+    let table = cos_sin();
+    let tables = vec![0; BLOCKS_PER_SEQ];
+    // Two tokens after three cached ones: the context must be 5, for one request.
+    let chunk = |seq_lens| DecodeStep {
+        positions: &[3, 4],
+        slot_mapping: &[3, 4],
+        seq_lens,
+        chunk_after: Some(3),
+        ..one_token(&[0], &tables, &table)
+    };
+    let (mut hidden, mut residual) = (vec![0.5; 2 * HIDDEN], vec![0.0; 2 * HIDDEN]);
+    let mut run = |step| {
+        let mut caches = [LayerCache { key: &mut key, value: &mut value }];
+        decode_layers(&layers, None, &mut caches, shape(), step, &mut hidden, &mut residual, 1).unwrap_err()
+    };
+    assert_eq!(run(chunk(&[5, 5])), KernelError::Size { name: "seq_lens", expected: 1, actual: 2 });
+    let err = run(chunk(&[4]));
+    assert!(err.to_string().contains("the cached 3 plus the chunk's 2 tokens"), "{err}");
+    // Head size 16: the prefill kernel takes multiples of 64 only.
+    assert!(matches!(run(chunk(&[5])), KernelError::Value { name: "head_dim", value: 16, .. }));
+    assert!(key.iter().all(|&v| v == 7.0));
+}
