@@ -184,14 +184,10 @@ class ModelRunner:
         with no filter, with no logprobs and nothing that edits the logits, from the model's
         `sample_tokens` (the LM head and the draw inside the CPU decoder's call), recorded as the
         sampler's would be; None to run the step as usual. The sampler's own argmax or draw of
-        the same logits, at the same uniform numbers from the same generators. One rank only:
-        with tensor parallelism the other ranks would not join the collectives of a model call
-        that then falls back (the one-call decoder runs one rank's layers)."""
+        the same logits, at the same uniform numbers from the same generators."""
         sample_tokens = getattr(self.model, "sample_tokens", None)
-        if (sample_tokens is None or not self.is_driver or get_tensor_model_parallel_world_size() != 1 or self.is_multimodal or self.cuda_graphs is not None
-                or self.logits_processors is not None or not meta.is_decode_only or not step.needs_sample.all()
-                or any(s.params.prompt_logprobs is not None or not _samples_steadily(s) for s in states)):
-            return None  # a row that does not sample steadily would have its metadata built twice
+        if sample_tokens is None or not self._rows_may_sample_in_model(step, meta, states):
+            return None
         sampling = self._sampling_metadata(step, np.arange(len(step)), states)
         plain = _as_drawn(sampling)
         if plain is None:
@@ -203,6 +199,17 @@ class ModelRunner:
         sampled = tokens.numpy()
         self._record_samples(states, sampled, SamplerOutput(tokens))
         return sampled
+
+    def _rows_may_sample_in_model(self, step: SchedulerOutput, meta: AttentionMetadata,
+                                  states: list[CachedRequestState]) -> bool:
+        """A text step of decode rows that all sample, on the CPU's one rank with no custom
+        logits processors, none asking prompt logprobs or sampling unsteadily (its metadata would
+        then be built twice). One rank only: with tensor parallelism the other ranks would not
+        join the collectives of a model call that then falls back to `forward`."""
+        return (self.is_driver and get_tensor_model_parallel_world_size() == 1 and not self.is_multimodal
+                and self.cuda_graphs is None and self.logits_processors is None and meta.is_decode_only
+                and bool(step.needs_sample.all())
+                and all(s.params.prompt_logprobs is None and _samples_steadily(s) for s in states))
 
     def _multimodal_step(self, step: SchedulerOutput, states: list[CachedRequestState]):
         """The step's positions, placeholder embeddings and (for models attending both ways

@@ -307,7 +307,8 @@ class LlamaForCausalLM(CausalLMInterface, nn.Module):
         decoder = self.model._cpu_decoder_for(hidden_states, kv_caches, attn_metadata)
         if decoder is None or not decoder.holds_lm_head:
             return None
-        return decoder.sample(hidden_states, positions, kv_caches, attn_metadata, uniforms and uniforms())
+        return decoder.sample(hidden_states, positions, kv_caches, attn_metadata,
+                              None if uniforms is None else uniforms())
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Loads an HF checkpoint's tensors by name.
