@@ -18,7 +18,10 @@ norms, SiLU-gated MLP, no residual scaling; one tensor-parallel rank; and either
 - bfloat16 activations and KV cache, every linear layer in the bf16 GEMM's packed form (a bf16
   model: ``dtype="auto"`` on a bf16 checkpoint or a BF16 GGUF).
 
-Anything else, and ``FERROLLM_CPU_FUSED_DECODE=0``, keeps the layer path; the log says which once.
+The call ends with the model's final norm; given the LM head in a form the layers could take, a
+decode step whose rows all sample plainly (greedy, or temperature 1 unfiltered) ends with their
+tokens too (`CpuDecoder.sample`). Anything else, and ``FERROLLM_CPU_FUSED_DECODE=0``, keeps the
+layer path; the log says which once.
 """
 
 from __future__ import annotations
@@ -148,8 +151,8 @@ def build_cpu_decoder(model: nn.Module, lm_head: nn.Module | None = None) -> Cpu
     layers = list(model.layers)
     attn = layers[0].self_attn
     dtype = layers[0].input_layernorm.weight.dtype
-    # The final norm too: a call from Python in the warm-up of the LM head is dearer than the work
-    # (~0.1 ms a step on Qwen2-0.5B, its code evicted by the weights streamed before it).
+    # The final norm too: its call from Python cost more than its work (~0.1 ms of a Qwen2-0.5B
+    # step, that code evicted from the caches by the weights streamed just before).
     held: list[torch.Tensor] = [model.norm.weight.detach()]
     specs = [_layer_spec(layer, held) for layer in layers]
     head = _head_spec(lm_head, dtype, held)
