@@ -147,7 +147,9 @@ def test_concurrent_requests_get_their_own_answers(server, offline):
 
 
 def test_disconnect_mid_stream_aborts_its_request(server, client, server_log):
-    body = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 100, "stream": True, "ignore_eos": True}
+    # Eight sequences of 100 tokens: the tiny model's steps end in one Rust call each (sampling
+    # included), and one sequence alone could finish before the server hears of the disconnect.
+    body = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 100, "n": 8, "stream": True, "ignore_eos": True}
     req = urllib.request.Request(server + "/v1/completions", data=json.dumps(body).encode(), method="POST",
                                  headers={"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
     with urllib.request.urlopen(req, timeout=30) as r:
