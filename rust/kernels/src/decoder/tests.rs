@@ -6,6 +6,7 @@ use super::*;
 use crate::gemm::{pack_weight, packed_len};
 use crate::gemm_bf16::{pack_weight_bf16, packed_len_bf16};
 use crate::quant::wq::QWeight;
+use crate::sample::sample_rows;
 use crate::test_support::{linear, reference_attention, values};
 
 const HIDDEN: usize = 32;
