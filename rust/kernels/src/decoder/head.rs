@@ -48,3 +48,41 @@ pub fn sample_tokens<T: Element>(
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::quant::wq::{QWeight, WqWeight};
+    use crate::test_support::{linear, values};
+
+    const HIDDEN: usize = 32;
+
+    #[test]
+    fn sampled_tokens_are_the_head_s_argmax_or_its_draw_within_the_vocabulary() {
+        // A 40-row int8 head whose last 8 rows are a padded vocabulary's: never taken.
+        let q: Vec<i8> = values(40 * HIDDEN, 3).iter().map(|v| (v * 127.0).round() as i8).collect();
+        let scales: Vec<f32> = values(40, 4).iter().map(|v| 0.02 + 0.01 * v.abs()).collect();
+        let weight = WqWeight { q: QWeight::Int8(&q), scales: &scales, mins: None };
+        let head = Linear::Wq { weight, out_features: 40, in_features: HIDDEN, group_size: HIDDEN };
+        let dense: Vec<f32> = q.iter().enumerate().map(|(i, &q)| f32::from(q) * scales[i / HIDDEN]).collect();
+        let normed = values(2 * HIDDEN, 11);
+        let (mut logits, mut tokens) = (vec![0.0f32; 2 * 40], [0i64; 2]);
+        sample_tokens(&head, &normed, 32, &mut logits, None, &mut tokens, 2).unwrap();
+        let want = linear(&normed, &dense, None, 2, 40, HIDDEN);
+        let rows: Vec<f32> = want.chunks_exact(40).flat_map(|row| row[..32].to_vec()).collect();
+        for (row, &token) in rows.chunks_exact(32).zip(&tokens) {
+            let best = row.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+            assert_eq!(row[token as usize], best, "{row:?}");
+        }
+        // Drawn as `sample_rows` draws from the vocabulary's logits, at each row's number.
+        let uniforms = [0.3, 0.97];
+        sample_tokens(&head, &normed, 32, &mut logits, Some(&uniforms), &mut tokens, 2).unwrap();
+        let mut drawn = [0i64; 2];
+        sample_rows(&rows, 32, &uniforms, &mut drawn, 2).unwrap();
+        assert_eq!(tokens, drawn);
+        let err = sample_tokens(&head, &normed, 41, &mut logits, None, &mut tokens, 1).unwrap_err();
+        assert!(err.to_string().contains("`vocab` must be in 1..=40"), "{err}");
+        let err = sample_tokens(&head, &normed[1..], 32, &mut logits, None, &mut tokens, 1).unwrap_err();
+        assert_eq!(err, KernelError::Size { name: "normed", expected: 2 * HIDDEN, actual: 2 * HIDDEN - 1 });
+    }
+}
