@@ -301,8 +301,9 @@ class LlamaForCausalLM(CausalLMInterface, nn.Module):
         ``uniforms()`` gives, asked only once the decoder takes the step, so a step it does not
         take draws nothing from the generators); None where it does not, and the caller runs
         `forward` and samples as usual. The caller checks that nothing edits the rows' logits."""
-        if not attn_metadata.is_decode_only:
-            return None
+        built = self.model._cpu_decoder  # False until the first decode step builds it
+        if not attn_metadata.is_decode_only or built is None or (built and not built.holds_lm_head):
+            return None  # known before embedding: `forward` would look the rows up again
         hidden_states = self.model.embed(input_ids)
         decoder = self.model._cpu_decoder_for(hidden_states, kv_caches, attn_metadata)
         if decoder is None or not decoder.holds_lm_head:
