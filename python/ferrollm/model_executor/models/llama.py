@@ -200,7 +200,7 @@ class LlamaModel(nn.Module):
     def _cpu_decoder_for(self, hidden_states: torch.Tensor, kv_caches: list[torch.Tensor],
                          attn_metadata: AttentionMetadata) -> CpuDecoder | None:
         """The one-call decoder where this step can take it: a CPU step without images, of decode
-        rows or one request's prompt chunk (`CpuDecoder.takes_step`), run eagerly (a compiled
+        rows with or without prompt chunks (`CpuDecoder.takes_step`), run eagerly (a compiled
         model reads its metadata from the forward context, and is None here)."""
         if attn_metadata is None or not hidden_states.is_cpu or torch.compiler.is_compiling():
             return None

@@ -1,5 +1,9 @@
-//! A step's attention inside the stack: the rows' rotary and cache writes, then decode rows
-//! through `attention::paged_decode` or a prompt chunk through `prefill::paged_prefill`.
+//! A step's attention inside the stack: the rows' rotary and cache writes, then each request's
+//! attention. Requests of one row (decode rows) attend together through
+//! `attention::paged_decode`, gathered where prompt chunks lie between them, as the layer path's
+//! `StepRows` gathers them; each longer request (a prompt chunk) attends causally over its
+//! context through `prefill::paged_prefill`. A served step usually mixes both: a new prompt
+//! beside the running requests' next tokens.
 
 use super::{DecodeStep, DecoderLayer, DecoderShape, LayerCache, Scratch};
 use crate::attention::{paged_decode, DecodeInputs, DecodeOptions, DecodeShape, KvScales};
@@ -11,6 +15,63 @@ use crate::prefill::{
 use crate::rotary::{rotate_neox, RotaryShape};
 use crate::simd::SimdElement;
 
+/// How a step's requests attend, worked out once per step for every layer.
+pub(super) struct Requests {
+    /// The rows of the requests with one row, in order.
+    decode_rows: Vec<usize>,
+    /// Whether those are the step's first requests and rows (the decode-only step, and the
+    /// scheduler's order: running requests first): their queries, tables and lengths are then
+    /// read in place. Otherwise the tables and lengths are gathered here, the queries per layer.
+    leading: bool,
+    decode_tables: Vec<i32>,
+    decode_lens: Vec<i32>,
+    chunks: Vec<Chunk>,
+}
+
+/// A request's prompt chunk: `rows` rows from `start`, after its `num_computed` cached tokens.
+struct Chunk {
+    request: usize,
+    start: usize,
+    rows: usize,
+    num_computed: usize,
+}
+
+impl Requests {
+    /// The split of a step `check_requests` accepted.
+    pub(super) fn new<T>(step: &DecodeStep<'_, T>) -> Self {
+        let Some(starts) = step.query_start_loc else {
+            let rows = step.positions.len();
+            return Requests {
+                decode_rows: (0..rows).collect(),
+                leading: true,
+                decode_tables: Vec::new(),
+                decode_lens: Vec::new(),
+                chunks: Vec::new(),
+            };
+        };
+        let (mut decodes, mut chunks) = (Vec::new(), Vec::new());
+        for (request, pair) in starts.windows(2).enumerate() {
+            let (start, rows) = (pair[0] as usize, (pair[1] - pair[0]) as usize);
+            if rows == 1 {
+                decodes.push(request);
+            } else {
+                let num_computed = step.seq_lens[request] as usize - rows;
+                chunks.push(Chunk { request, start, rows, num_computed });
+            }
+        }
+        let leading = decodes.iter().enumerate().all(|(i, &r)| r == i);
+        let mb = step.max_blocks_per_seq;
+        let (decode_tables, decode_lens) = if leading {
+            (Vec::new(), Vec::new())
+        } else {
+            let tables = decodes.iter().flat_map(|&r| &step.block_tables[r * mb..][..mb]).copied().collect();
+            (tables, decodes.iter().map(|&r| step.seq_lens[r]).collect())
+        };
+        let decode_rows = decodes.iter().map(|&r| starts[r] as usize).collect();
+        Requests { decode_rows, leading, decode_tables, decode_lens, chunks }
+    }
+}
+
 /// `scratch.attn = attention(rotary(q), cache)` from `scratch.normed`, the keys and values
 /// written to the cache first.
 pub(super) fn attention<T: SimdElement>(
@@ -18,6 +79,7 @@ pub(super) fn attention<T: SimdElement>(
     cache: &mut LayerCache<'_, T>,
     s: &DecoderShape,
     step: &DecodeStep<'_, T>,
+    requests: &Requests,
     scratch: &mut Scratch<T>,
     threads: usize,
 ) -> Result<(), KernelError> {
@@ -38,32 +100,43 @@ pub(super) fn attention<T: SimdElement>(
     rotate_neox(k, step.positions, step.cos_sin, &mut scratch.k, rotary(s.num_kv_heads), threads)?;
     let write = CacheWriteShape { tokens: rows, width: kv_size, key_stride: kv_size, value_stride: width };
     write_kv(&scratch.k, v, step.slot_mapping, cache.key, cache.value, write)?;
-    if let Some(num_computed) = step.chunk_after {
+    decode_attention(cache, s, step, requests, scratch, threads)?;
+    for chunk in &requests.chunks {
         let shape = PrefillShape {
             num_heads: s.num_heads,
             num_kv_heads: s.num_kv_heads,
             head_dim: s.head_dim,
             block_size: step.block_size,
-            query_len: rows,
-            num_computed,
+            query_len: chunk.rows,
+            num_computed: chunk.num_computed,
         };
         let inputs = PrefillInputs {
-            query: &scratch.q,
+            query: &scratch.q[chunk.start * q_size..][..chunk.rows * q_size],
             key_cache: cache.key,
             value_cache: cache.value,
-            block_table: &step.block_tables[..step.max_blocks_per_seq],
+            block_table: &step.block_tables[chunk.request * step.max_blocks_per_seq..]
+                [..step.max_blocks_per_seq],
         };
         let options = PrefillOptions { scale: s.scale, sliding_window: None };
-        return paged_prefill(inputs, shape, options, &mut scratch.attn, threads);
+        let out = &mut scratch.attn[chunk.start * q_size..][..chunk.rows * q_size];
+        paged_prefill(inputs, shape, options, out, threads)?;
     }
-    let inputs = DecodeInputs {
-        query: &scratch.q,
-        key_cache: cache.key,
-        value_cache: cache.value,
-        scales: KvScales { key: 1.0, value: 1.0 },
-        block_tables: step.block_tables,
-        seq_lens: step.seq_lens,
-    };
+    Ok(())
+}
+
+/// The decode rows' attention, in one call of the decode kernel.
+fn decode_attention<T: SimdElement>(
+    cache: &LayerCache<'_, T>,
+    s: &DecoderShape,
+    step: &DecodeStep<'_, T>,
+    requests: &Requests,
+    scratch: &mut Scratch<T>,
+    threads: usize,
+) -> Result<(), KernelError> {
+    let (decodes, q_size) = (requests.decode_rows.len(), s.q_size());
+    if decodes == 0 {
+        return Ok(());
+    }
     let shape = DecodeShape {
         num_heads: s.num_heads,
         num_kv_heads: s.num_kv_heads,
@@ -72,36 +145,82 @@ pub(super) fn attention<T: SimdElement>(
         max_blocks_per_seq: step.max_blocks_per_seq,
     };
     let options = DecodeOptions { scale: s.scale, sliding_window: None, soft_cap: None };
-    paged_decode(inputs, shape, options, &mut scratch.attn, threads)
+    let inputs = |query| DecodeInputs {
+        query,
+        key_cache: &*cache.key,
+        value_cache: &*cache.value,
+        scales: KvScales { key: 1.0, value: 1.0 },
+        block_tables: if requests.leading {
+            &step.block_tables[..decodes * step.max_blocks_per_seq]
+        } else {
+            &requests.decode_tables
+        },
+        seq_lens: if requests.leading { &step.seq_lens[..decodes] } else { &requests.decode_lens },
+    };
+    if requests.leading {
+        let (query, out) = (&scratch.q[..decodes * q_size], &mut scratch.attn[..decodes * q_size]);
+        return paged_decode(inputs(query), shape, options, out, threads);
+    }
+    let gathered: Vec<T> =
+        requests.decode_rows.iter().flat_map(|&row| &scratch.q[row * q_size..][..q_size]).copied().collect();
+    let mut out = vec![T::from_f32(0.0); decodes * q_size];
+    paged_decode(inputs(&gathered), shape, options, &mut out, threads)?;
+    for (&row, values) in requests.decode_rows.iter().zip(out.chunks_exact(q_size)) {
+        scratch.attn[row * q_size..][..q_size].copy_from_slice(values);
+    }
+    Ok(())
 }
 
-/// A prompt chunk's request: one, whose context ends with the chunk, in whole blocks of its
-/// table, on a CPU and head size the prefill kernel takes (checked here, before any cache is
-/// written, rather than by the kernel in the first layer).
-pub(super) fn check_chunk<T>(
-    s: &DecoderShape,
-    step: &DecodeStep<'_, T>,
-    num_computed: usize,
-) -> Result<(), KernelError> {
+/// The step's requests, before any cache is written: without `query_start_loc` one row each;
+/// with it, rows that add up, each request's context at least its rows, and every prompt chunk
+/// (a request of several rows) on a CPU and head size the prefill kernel takes and in whole
+/// blocks of its table (checked here rather than by the kernel in the first layer).
+pub(super) fn check_requests<T>(s: &DecoderShape, step: &DecodeStep<'_, T>) -> Result<(), KernelError> {
     let rows = step.positions.len();
-    check_len("seq_lens", step.seq_lens.len(), 1)?;
-    if step.seq_lens[0] as usize != num_computed + rows {
-        let limit = format!("the cached {num_computed} plus the chunk's {rows} tokens");
-        return Err(KernelError::Value { name: "seq_lens", limit, value: step.seq_lens[0].into() });
+    let Some(starts) = step.query_start_loc else {
+        return check_len("seq_lens", step.seq_lens.len(), rows);
+    };
+    let requests = step.seq_lens.len();
+    check_len("query_start_loc", starts.len(), requests + 1)?;
+    if starts[0] != 0 || starts[requests] as usize != rows {
+        let limit = format!("from 0 to the step's {rows} rows");
+        return Err(KernelError::Value { name: "query_start_loc", limit, value: starts[requests].into() });
     }
-    if !prefill_supports(s.head_dim) {
-        let limit = "a positive multiple of 64, on a CPU with AVX-512 (the prefill kernel's)".into();
-        return Err(KernelError::Value { name: "head_dim", limit, value: s.head_dim as i64 });
-    }
-    if step.block_tables.len() < step.max_blocks_per_seq
-        || step.max_blocks_per_seq * step.block_size < num_computed + rows
-    {
-        let limit = format!("one row of {} blocks covering the context", step.max_blocks_per_seq);
+    let mb = step.max_blocks_per_seq;
+    if step.block_tables.len() < requests * mb {
+        let limit = format!("{requests} rows of {mb} blocks, one per request");
         return Err(KernelError::Value {
             name: "block_tables",
             limit,
             value: step.block_tables.len() as i64,
         });
+    }
+    for (request, pair) in starts.windows(2).enumerate() {
+        let (len, context) = (pair[1] - pair[0], step.seq_lens[request]);
+        if len < 1 {
+            let limit = format!("increasing: request {request} has no rows");
+            return Err(KernelError::Value { name: "query_start_loc", limit, value: pair[1].into() });
+        }
+        if context < len {
+            let limit = format!("at least request {request}'s {len} rows");
+            return Err(KernelError::Value { name: "seq_lens", limit, value: context.into() });
+        }
+        if len > 1 {
+            check_chunk(s, step, context as usize)?;
+        }
+    }
+    Ok(())
+}
+
+/// A prompt chunk's context: covered by its table's blocks, attended by the prefill kernel.
+fn check_chunk<T>(s: &DecoderShape, step: &DecodeStep<'_, T>, context: usize) -> Result<(), KernelError> {
+    if !prefill_supports(s.head_dim) {
+        let limit = "a positive multiple of 64, on a CPU with AVX-512 (the prefill kernel's)".into();
+        return Err(KernelError::Value { name: "head_dim", limit, value: s.head_dim as i64 });
+    }
+    if step.max_blocks_per_seq * step.block_size < context {
+        let limit = format!("{} blocks of {} tokens per request", step.max_blocks_per_seq, step.block_size);
+        return Err(KernelError::Value { name: "seq_lens", limit, value: context as i64 });
     }
     Ok(())
 }

@@ -11,8 +11,8 @@ use crate::test_support::{linear, reference_attention, values};
 const HIDDEN: usize = 32;
 const HEADS: usize = 4;
 const KV_HEADS: usize = 2;
-const DIM: usize = 16;
-const ROTARY: usize = 16;
+const DIM: usize = 64;
+const ROTARY: usize = 32;
 const INTER: usize = 48;
 const BLOCK: usize = 4;
 const MAX_POS: usize = 32;
@@ -366,7 +366,7 @@ fn run_steps<T: SimdElement + std::fmt::Debug>(
             seq_lens: &seq_lens,
             block_size: BLOCK,
             cos_sin: &table_t,
-            chunk_after: None,
+            query_start_loc: None,
         };
         let embeddings = hidden.clone();
         decode_layers(layers, None, &mut caches, shape(), decode, &mut hidden, &mut residual, 2).unwrap();
@@ -397,4 +397,5 @@ fn run_steps<T: SimdElement + std::fmt::Debug>(
     }
 }
 
+mod mixed;
 mod refusals;

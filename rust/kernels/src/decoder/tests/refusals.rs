@@ -39,7 +39,7 @@ fn one_token<'a, T>(position: &'a [i64], tables: &'a [i32], table: &'a [T]) -> D
         seq_lens: &[1],
         block_size: BLOCK,
         cos_sin: table,
-        chunk_after: None,
+        query_start_loc: None,
     }
 }
 
@@ -79,29 +79,40 @@ fn refuses_a_cache_per_layer_missing_and_a_mis_sized_weight() {
 }
 
 #[test]
-fn refuses_a_prompt_chunk_that_does_not_add_up_before_writing_the_cache() {
+fn refuses_requests_whose_rows_do_not_add_up_before_writing_the_cache() {
     let stack = [weights(1)];
     let layers = [layer(&stack[0])];
     let (mut key, mut value) = (vec![7.0; BLOCKS_PER_SEQ * BLOCK * KV_HEADS * DIM], vec![7.0; 1]);
     let table = cos_sin();
-    let tables = vec![0; BLOCKS_PER_SEQ];
-    // Two tokens after three cached ones: the context must be 5, for one request.
-    let chunk = |seq_lens| DecodeStep {
-        positions: &[3, 4],
-        slot_mapping: &[3, 4],
+    let tables = vec![0; 2 * BLOCKS_PER_SEQ];
+    // Three rows: a decode row, then a two-row chunk after three cached tokens.
+    let step = |query_start_loc, seq_lens| DecodeStep {
+        positions: &[6, 3, 4],
+        slot_mapping: &[6, 3, 4],
         seq_lens,
-        chunk_after: Some(3),
+        query_start_loc: Some(query_start_loc),
         ..one_token(&[0], &tables, &table)
     };
-    let (mut hidden, mut residual) = (vec![0.5; 2 * HIDDEN], vec![0.0; 2 * HIDDEN]);
-    let mut run = |step| {
+    let (mut hidden, mut residual) = (vec![0.5; 3 * HIDDEN], vec![0.0; 3 * HIDDEN]);
+    let mut run = |step, shape| {
         let mut caches = [LayerCache { key: &mut key, value: &mut value }];
-        decode_layers(&layers, None, &mut caches, shape(), step, &mut hidden, &mut residual, 1).unwrap_err()
+        decode_layers(&layers, None, &mut caches, shape, step, &mut hidden, &mut residual, 1).unwrap_err()
     };
-    assert_eq!(run(chunk(&[5, 5])), KernelError::Size { name: "seq_lens", expected: 1, actual: 2 });
-    let err = run(chunk(&[4]));
-    assert!(err.to_string().contains("the cached 3 plus the chunk's 2 tokens"), "{err}");
+    let size = KernelError::Size { name: "query_start_loc", expected: 3, actual: 2 };
+    assert_eq!(run(step(&[0, 3], &[7, 5]), shape()), size);
+    let err = run(step(&[0, 1, 2], &[7, 5]), shape());
+    assert!(err.to_string().contains("from 0 to the step's 3 rows"), "{err}");
+    let err = run(step(&[0, 0, 3], &[7, 5]), shape());
+    assert!(err.to_string().contains("request 0 has no rows"), "{err}");
+    let err = run(step(&[0, 1, 3], &[7, 1]), shape());
+    assert!(err.to_string().contains("at least request 1's 2 rows"), "{err}");
+    let err = run(step(&[0, 1, 3], &[7, 5 + (BLOCKS_PER_SEQ * BLOCK) as i32]), shape());
+    assert!(matches!(err, KernelError::Value { name: "seq_lens", .. }), "{err}");
     // Head size 16: the prefill kernel takes multiples of 64 only.
-    assert!(matches!(run(chunk(&[5])), KernelError::Value { name: "head_dim", value: 16, .. }));
+    let narrow = DecoderShape { head_dim: 16, rotary_dim: 16, ..shape() };
+    assert!(matches!(
+        run(step(&[0, 1, 3], &[7, 5]), narrow),
+        KernelError::Value { name: "head_dim", value: 16, .. }
+    ));
     assert!(key.iter().all(|&v| v == 7.0));
 }
