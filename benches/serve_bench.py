@@ -5,12 +5,14 @@ random prompts at the same Poisson request rate (the same arrival times: the cli
 
 Every server starts once and stays up; after a few warm-up requests each, ``--rounds N`` runs the
 client against them in turn, N times, so each round of one sits beside a round of the other on the
-same machine minutes apart. p99 TTFT over 32 requests is close to the slowest one: when requests
-collide, it moves by ~15% from round to round on this VM, so one round decides nothing. Figures per
-server: request and output-token throughput, TTFT, TPOT and ITL (mean, median, p99), each the
-median over the rounds, and every round's p99 TTFT beside the other server's. Issue #25's target: at equal request rate, p99 TTFT
-and throughput at least as good as vLLM's. The client shares the machine's cores with the server
-it measures, the same for both.
+same machine minutes apart. Round i sends both servers the prompts and arrival times of seed
+``--seed`` + i: new prompts each round, which neither server's prefix cache holds. p99 TTFT over 32
+requests is close to the slowest one: when requests collide, it moves by ~15% from round to round
+on this VM, so one round decides nothing. Figures per server: request and output-token throughput,
+TTFT, TPOT and ITL (mean, median, p99), each the median over the rounds, and every round's p99 TTFT
+beside the other server's. Issue #25's target: at equal request rate, p99 TTFT and throughput at
+least as good as vLLM's. The client shares the machine's cores with the server it measures, the
+same for both.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from pathlib import Path
 SERVE = {"num_prompts": 32, "input_len": 128, "output_len": 64, "request_rate": 0.5}
 SMOKE = {"num_prompts": 4, "input_len": 16, "output_len": 8, "request_rate": 2.0}
 NAME = "model"  # the served model name both servers get
+WARM_UP_SEED = 1_000_003  # prompts no round's seed repeats
 READY_TIMEOUT_S = 900  # vLLM's CPU build takes 150-220 s to start on 2 cores
 FIGURES = ("request_throughput", "output_throughput", "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms",
            "mean_tpot_ms", "p99_tpot_ms", "mean_itl_ms", "p99_itl_ms", "completed", "failed")
@@ -101,11 +104,11 @@ def stop_server(proc: subprocess.Popen) -> None:
             continue
 
 
-def run_client(args, url: str, model: Path, spec: dict, out: Path) -> dict:
+def run_client(args, url: str, model: Path, spec: dict, out: Path, seed: int) -> dict:
     cmd = [args.ferrollm, "bench", "serve", "--base-url", url, "--model", str(model), "--served-model-name", NAME,
            "--dataset-name", "random", "--random-input-len", str(spec["input_len"]),
            "--random-output-len", str(spec["output_len"]), "--num-prompts", str(spec["num_prompts"]),
-           "--request-rate", str(spec["request_rate"]), "--seed", str(args.seed), "--ignore-eos",
+           "--request-rate", str(spec["request_rate"]), "--seed", str(seed), "--ignore-eos",
            "--save-result", "--result-dir", str(out.parent), "--result-filename", out.name]
     print(f"  $ {' '.join(cmd)}", file=sys.stderr, flush=True)
     subprocess.run(cmd, check=True, stdout=sys.stderr)
@@ -123,7 +126,7 @@ def start_all(args, engines: list[str], model_paths: dict) -> dict:
         try:
             servers[engine] = start_server(args, engine, model_paths[engine], log)
             # The first requests build what a server builds lazily (ferrollm's one-call decoder).
-            run_client(args, servers[engine][1], model_paths[engine], SMOKE, _tmp(args, engine))
+            run_client(args, servers[engine][1], model_paths[engine], SMOKE, _tmp(args, engine), WARM_UP_SEED)
         except (RuntimeError, subprocess.CalledProcessError, OSError, KeyError) as e:
             servers[engine] = f"{engine}: {e}"
     return servers
@@ -133,11 +136,11 @@ def _tmp(args, engine: str) -> Path:
     return args.bench_dir / "results" / f"serve-{engine}-tmp.json"
 
 
-def run_round(args, engine: str, server, model: Path, spec: dict) -> dict:
+def run_round(args, engine: str, server, model: Path, spec: dict, seed: int) -> dict:
     if isinstance(server, str):
         return {"error": server}
     try:
-        return run_client(args, server[1], model, spec, _tmp(args, engine))
+        return run_client(args, server[1], model, spec, _tmp(args, engine), seed)
     except (subprocess.CalledProcessError, OSError, KeyError) as e:
         return {"error": f"bench serve against {engine}: {e}"}
 
@@ -181,13 +184,18 @@ def main_serve(args, engines: list[str], model_paths: dict) -> None:
     unknown = [e for e in engines if e not in ("ferrollm", "vllm")]
     if unknown:
         sys.exit(f"the serve workload runs ferrollm and vllm only. Given: {', '.join(unknown)}")
+    # SIGTERM (a stopped run) unwinds through `finally`, which stops the servers.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     servers = start_all(args, engines, model_paths)
     rounds: dict[str, list[dict]] = {e: [] for e in engines}
     try:
         for i in range(args.rounds):
             for engine in engines:
                 print(f"round {i + 1} of {args.rounds}: {engine}", file=sys.stderr, flush=True)
-                rounds[engine].append(run_round(args, engine, servers[engine], model_paths[engine], spec))
+                # Round i's prompts and arrival times (seed + i) are new to both servers: with the
+                # same prompts every round, the second round on would read them from the prefix cache.
+                run = run_round(args, engine, servers[engine], model_paths[engine], spec, args.seed + i)
+                rounds[engine].append(run)
     finally:
         for server in servers.values():
             if not isinstance(server, str):
