@@ -284,9 +284,8 @@ impl Weights<'_> {
     fn vector_dot<const M: usize>(&self, n: usize, x: &[f32], stride: usize) -> Option<[f32; M]> {
         #[cfg(target_arch = "x86_64")]
         {
-            // Groups of 16 or 32 only: with wider ones AVX2's loop was as fast (see `avx512`).
-            if simd::has_avx512f() && matches!(self.layout.group, 16 | INT4_BLOCK) {
-                // SAFETY: the CPU has AVX-512F; the groups are 16 or 32 (multiples of 16).
+            if simd::has_avx512f() && self.takes_avx512() {
+                // SAFETY: the CPU has AVX-512F; `takes_avx512` holds.
                 return Some(unsafe { self.row_dot_avx512::<M>(n, x, stride) });
             }
             if simd::has_avx2_fma() {
@@ -295,6 +294,14 @@ impl Weights<'_> {
         }
         let _ = (n, x, stride);
         None
+    }
+
+    /// Whether the AVX-512 loops take this layout: groups of 16 or 32, and int4 rows in groups
+    /// of any multiple of 32 (with wider int8 groups AVX2's loop was as fast: see `avx512`).
+    fn takes_avx512(&self) -> bool {
+        let group = self.layout.group;
+        matches!(group, 16 | INT4_BLOCK)
+            || matches!(self.q, QWeight::Int4(_)) && group.is_multiple_of(INT4_BLOCK)
     }
 
     /// `Σ_g mins[n, g] · xsum[g]`, 0 without mins.

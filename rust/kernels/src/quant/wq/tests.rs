@@ -118,8 +118,8 @@ fn each_vector_path_here_agrees_with_the_scalar_formula() {
             if simd::has_avx2_fma() {
                 paths.push(("avx2", w.row_dot_avx2::<2>(1, &x, layout.k_padded)));
             }
-            if simd::has_avx512f() && matches!(group, 16 | INT4_BLOCK) {
-                // SAFETY: the CPU has AVX-512F; the groups are 16 or 32.
+            if simd::has_avx512f() && w.takes_avx512() {
+                // SAFETY: the CPU has AVX-512F; `takes_avx512` holds.
                 paths.push(("avx512", unsafe { w.row_dot_avx512::<2>(1, &x, layout.k_padded) }));
                 let [one] = unsafe { w.row_dot_avx512::<1>(1, &x, layout.k_padded) };
                 paths.push(("avx512 one row", [one, want[1]]));
