@@ -170,7 +170,8 @@ def format_table(figures: dict, spec: dict) -> str:
         ttft = "PASS" if ours["p99_ttft_ms"] <= theirs["p99_ttft_ms"] else "MISS"
         rate = "PASS" if ours["output_throughput"] >= theirs["output_throughput"] else "MISS"
         lines += ["", "Targets (issue #25, at equal request rate):",
-                  f"- p99 TTFT ≤ vLLM's (medians over the rounds): {ttft} ({ours['p99_ttft_ms']:.0f} vs {theirs['p99_ttft_ms']:.0f} ms)",
+                  f"- p99 TTFT ≤ vLLM's (medians over the rounds): {ttft} ({ours['p99_ttft_ms']:.0f} vs "
+                  f"{theirs['p99_ttft_ms']:.0f} ms)",
                   f"- output throughput ≥ vLLM's: {rate} ({ours['output_throughput']:.2f} vs "
                   f"{theirs['output_throughput']:.2f} tok/s)"]
     header = (f"{spec['num_prompts']} requests, {spec['input_len']} random tokens in -> {spec['output_len']} out "

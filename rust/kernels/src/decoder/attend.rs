@@ -19,12 +19,10 @@ use crate::simd::SimdElement;
 pub(super) struct Requests {
     /// The rows of the requests with one row, in order.
     decode_rows: Vec<usize>,
-    /// Whether those are the step's first requests and rows (the decode-only step, and the
-    /// scheduler's order: running requests first): their queries, tables and lengths are then
-    /// read in place. Otherwise the tables and lengths are gathered here, the queries per layer.
-    leading: bool,
-    decode_tables: Vec<i32>,
-    decode_lens: Vec<i32>,
+    /// Their block tables and context lengths, gathered where they are not the step's first
+    /// requests and rows; `None` where they are (the decode-only step, and the scheduler's order:
+    /// running requests first), and their queries, tables and lengths are read in place.
+    gathered: Option<(Vec<i32>, Vec<i32>)>,
     chunks: Vec<Chunk>,
 }
 
@@ -41,13 +39,7 @@ impl Requests {
     pub(super) fn new<T>(step: &DecodeStep<'_, T>) -> Self {
         let Some(starts) = step.query_start_loc else {
             let rows = step.positions.len();
-            return Requests {
-                decode_rows: (0..rows).collect(),
-                leading: true,
-                decode_tables: Vec::new(),
-                decode_lens: Vec::new(),
-                chunks: Vec::new(),
-            };
+            return Requests { decode_rows: (0..rows).collect(), gathered: None, chunks: Vec::new() };
         };
         let (mut decodes, mut chunks) = (Vec::new(), Vec::new());
         for (request, pair) in starts.windows(2).enumerate() {
@@ -59,16 +51,24 @@ impl Requests {
                 chunks.push(Chunk { request, start, rows, num_computed });
             }
         }
-        let leading = decodes.iter().enumerate().all(|(i, &r)| r == i);
         let mb = step.max_blocks_per_seq;
-        let (decode_tables, decode_lens) = if leading {
-            (Vec::new(), Vec::new())
-        } else {
+        let gathered = (!decodes.iter().enumerate().all(|(i, &r)| r == i)).then(|| {
             let tables = decodes.iter().flat_map(|&r| &step.block_tables[r * mb..][..mb]).copied().collect();
             (tables, decodes.iter().map(|&r| step.seq_lens[r]).collect())
-        };
+        });
         let decode_rows = decodes.iter().map(|&r| starts[r] as usize).collect();
-        Requests { decode_rows, leading, decode_tables, decode_lens, chunks }
+        Requests { decode_rows, gathered, chunks }
+    }
+
+    /// The decode rows' block tables and context lengths.
+    fn decode_tables_and_lens<'s, T>(&'s self, step: &'s DecodeStep<'_, T>) -> (&'s [i32], &'s [i32]) {
+        match &self.gathered {
+            Some((tables, lens)) => (tables, lens),
+            None => {
+                let decodes = self.decode_rows.len();
+                (&step.block_tables[..decodes * step.max_blocks_per_seq], &step.seq_lens[..decodes])
+            }
+        }
     }
 }
 
@@ -145,19 +145,16 @@ fn decode_attention<T: SimdElement>(
         max_blocks_per_seq: step.max_blocks_per_seq,
     };
     let options = DecodeOptions { scale: s.scale, sliding_window: None, soft_cap: None };
+    let (block_tables, seq_lens) = requests.decode_tables_and_lens(step);
     let inputs = |query| DecodeInputs {
         query,
         key_cache: &*cache.key,
         value_cache: &*cache.value,
         scales: KvScales { key: 1.0, value: 1.0 },
-        block_tables: if requests.leading {
-            &step.block_tables[..decodes * step.max_blocks_per_seq]
-        } else {
-            &requests.decode_tables
-        },
-        seq_lens: if requests.leading { &step.seq_lens[..decodes] } else { &requests.decode_lens },
+        block_tables,
+        seq_lens,
     };
-    if requests.leading {
+    if requests.gathered.is_none() {
         let (query, out) = (&scratch.q[..decodes * q_size], &mut scratch.attn[..decodes * q_size]);
         return paged_decode(inputs(query), shape, options, out, threads);
     }
