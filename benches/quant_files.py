@@ -14,7 +14,10 @@ own tool, so neither engine is measured on a file the other side wrote:
 - ``qwen2-0.5b-ct-w8a8``, ``qwen2-0.5b-ct-w4a16``: compressed-tensors folders written by
   compressed-tensors itself (tests/helpers/quant_checkpoints.py ``write_compressed_tensors``):
   W8A8 int8 per-channel weights with dynamic per-token int8 activations, W4A16 symmetric int4 in
-  groups of 128; ``lm_head`` ignored, so the tied embedding stays fp32, as the checkpoint is.
+  groups of 128 with its scales rounded to fp16 values (as GPTQ files, and compressed-tensors
+  files of fp16 or bf16 models, hold them: what lets ferrollm run them as Q4_0 blocks,
+  `quantization.int4_blocks`); ``lm_head`` ignored, so the tied embedding stays fp32, as the
+  checkpoint is.
 
 Every file is written under a temporary name and renamed into place, so an interrupted run leaves
 nothing half-written; a file already there is kept. The compressed-tensors pass holds the fp32
@@ -118,7 +121,7 @@ def _write_ct(bench_dir: Path, name: str) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
-    write_compressed_tensors(model, CT_SCHEMES[name], tmp, group_size=CT_GROUP_SIZE)
+    write_compressed_tensors(model, CT_SCHEMES[name], tmp, group_size=CT_GROUP_SIZE, fp16_scales=name == "ct-w4a16")
     for file in TOKENIZER_FILES:
         if (src / file).exists():
             shutil.copy(src / file, tmp / file)

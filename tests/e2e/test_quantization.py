@@ -16,6 +16,8 @@ from helpers.tp_cases import assert_same, run
 
 from ferrollm import LLM
 from ferrollm.exceptions import CheckpointError, ConfigError
+from ferrollm.kernels.cpu.gguf import interleave_preferred
+from ferrollm.model_executor.layers.quantization import int4_blocks
 
 ENGINE = dict(max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64)
 
@@ -28,14 +30,25 @@ def _tiny(folder, tokenizer_dir, write, **kwargs):
     return folder
 
 
-@pytest.mark.parametrize("scheme", ["W4A16", "W8A8", pytest.param("FP8", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("scheme", ["W4A16", "W4A16+fp16", "W8A8", pytest.param("FP8", marks=pytest.mark.slow)])
 def test_two_ranks_generate_what_one_does_on_compressed_tensors(tmp_path, tokenizer_dir, scheme):
+    scheme, _, variant = scheme.partition("+")
     group = 32 if scheme == "W4A16" else None
-    folder = _tiny(tmp_path, tokenizer_dir, lambda m, f: write_compressed_tensors(m, scheme, f, group_size=group))
+    folder = _tiny(tmp_path, tokenizer_dir, lambda m, f: write_compressed_tensors(
+        m, scheme, f, group_size=group, fp16_scales=variant == "fp16"))
     with LLM(str(folder), **ENGINE) as llm:
         single = run(llm)
     with LLM(str(folder), tensor_parallel_size=2, **ENGINE) as llm:
         sharded = run(llm)
+    if variant == "fp16" and interleave_preferred(int4_blocks.GGML_Q4_0):
+        # Q4_0 blocks meeting the activations as two 8-bit parts (`int4_blocks`): the ranks'
+        # partial sums add up in another order, which can move an activation across a rounding
+        # step of its low part: the greedy tokens agree, the log-probabilities within 1e-3
+        # (1.6e-4 measured), and the top two of a near-tie may swap.
+        assert sharded[0][:4] == single[0][:4]
+        for ours, theirs in zip(sharded[1][1:], single[1][1:], strict=True):
+            assert all(abs(ours[t].logprob - theirs[t].logprob) < 1e-3 for t in ours.keys() & theirs.keys())
+        return
     if scheme != "W8A8":  # weight-only, or fp8 inputs with a static scale: the same rounding
         return assert_same(sharded, single)
     # A row-parallel layer's rank quantizes its own slice of each token (as in vLLM), so the

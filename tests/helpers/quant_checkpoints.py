@@ -24,7 +24,8 @@ COMPRESSED_SCHEMES = ("W8A8", "W4A16", "W4A16_ASYM", "W8A16", "FP8", "FP8_DYNAMI
 
 def write_compressed_tensors(model: transformers.PreTrainedModel, scheme: str, folder: Path,
                              group_size: int | None = None,
-                             ignore: tuple[str, ...] = ("lm_head",)) -> transformers.PreTrainedModel:
+                             ignore: tuple[str, ...] = ("lm_head",),
+                             fp16_scales: bool = False) -> transformers.PreTrainedModel:
     """Quantizes a float model's linear layers with ``scheme`` and saves it compressed to ``folder``.
 
     Args:
@@ -32,6 +33,8 @@ def write_compressed_tensors(model: transformers.PreTrainedModel, scheme: str, f
         scheme: a compressed-tensors preset (see `COMPRESSED_SCHEMES`).
         group_size: replaces the scheme's weight group size (group strategies only).
         ignore: module names left unquantized.
+        fp16_scales: rounds the weight scales to fp16 values (kept in the model's dtype), as an
+            fp16 model's file or a GPTQ one holds them.
 
     Returns:
         The reference: a copy of the model before compression, whose layers compressed-tensors
@@ -55,7 +58,7 @@ def write_compressed_tensors(model: transformers.PreTrainedModel, scheme: str, f
         for module in model.modules():
             args = getattr(getattr(module, "quantization_scheme", None), "weights", None)
             if args is not None:
-                _set_weight_qparams(module, args)
+                _set_weight_qparams(module, args, fp16_scales)
         _calibrate_inputs(model)
     reference = copy.deepcopy(model).eval()
     compressor = ModelCompressor.from_pretrained_model(model)
@@ -65,7 +68,7 @@ def write_compressed_tensors(model: transformers.PreTrainedModel, scheme: str, f
     return reference
 
 
-def _set_weight_qparams(module: torch.nn.Module, args) -> None:
+def _set_weight_qparams(module: torch.nn.Module, args, fp16_scales: bool = False) -> None:
     from compressed_tensors.quantization.utils import calculate_qparams
 
     w = module.weight.float()
@@ -84,6 +87,8 @@ def _set_weight_qparams(module: torch.nn.Module, args) -> None:
     else:
         raise ValueError(f"weight strategy {strategy!r} is not covered by the test fixtures")
     scale, zero_point = calculate_qparams(lo, hi, args)
+    if fp16_scales:
+        scale = scale.half().float()
     module.weight_scale.data = scale.to(module.weight_scale.dtype).reshape(module.weight_scale.shape)
     if hasattr(module, "weight_zero_point"):
         module.weight_zero_point.data = zero_point.to(module.weight_zero_point.dtype).reshape(

@@ -14,6 +14,12 @@ tie rounds the other way in one of them. An int8 step (1/127 of a token's larges
 happen to be crossed here (1e-4 holds); an e4m3 step is 1/8 of a value's power of two, and a
 crossed one moved a logit by up to 0.15 (FP8_BLOCK, measured), so 0.2 there. Each layer on its own, fed the
 reference layer's input, agrees to float32 rounding (`test_each_layer_...`).
+
+W4A16 with fp16 scales runs, on CPUs with AVX512-VNNI, as Q4_0 blocks that meet the activations
+as two 8-bit parts (`quantization.int4_blocks`): each activation within `max|x_b| / 254²` of its
+32-element block's largest magnitude `max|x_b|`. A layer's outputs moved by up to 2.4e-5 of its
+largest output here (5e-5 allowed), the logits (of magnitude ~5) by up to 7.8e-4
+(2e-3 allowed); the greedy tokens agree.
 """
 
 from __future__ import annotations
@@ -24,14 +30,22 @@ import transformers
 from helpers.engine_driver import TINY, hf_greedy, make_prompts, run_engine
 from helpers.quant_checkpoints import write_compressed_tensors
 
-from ferrollm.model_executor.layers.quantization import resolve_quantization
+from ferrollm.kernels.cpu.gguf import interleave_preferred
+from ferrollm.model_executor.layers.quantization import int4_blocks, resolve_quantization
 from ferrollm.model_executor.layers.quantization.forms import QuantizedLinear
 from ferrollm.model_executor.loader import get_model, iterate_safetensors
 
-# scheme -> (group size override, model shape, logits tolerance)
+# W4A16 as Q4_0 blocks: on the logits, and on each layer's outputs relative to its largest output
+# (see the module doc).
+BLOCKS_LOGITS_TOL = 2e-3
+BLOCKS_LAYER_TOL = 5e-5
+
+# scheme -> (group size override, model shape, logits tolerance); "+fp16": the weight scales are
+# fp16 values (`write_compressed_tensors`' ``fp16_scales``)
 _BIG = dict(TINY, hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)
 CASES = {
     "W4A16": (32, TINY, 1e-4),
+    "W4A16+fp16": (32, TINY, BLOCKS_LOGITS_TOL),
     "W4A16_ASYM": (32, TINY, 1e-4),
     "W8A16": (32, TINY, 1e-4),
     "W8A8": (None, TINY, 1e-4),
@@ -43,15 +57,15 @@ CASES = {
 
 @pytest.fixture(scope="module", params=sorted(CASES))
 def compressed(request, tmp_path_factory):
-    scheme = request.param
-    group, shape, tol = CASES[scheme]
+    scheme, _, variant = request.param.partition("+")
+    group, shape, tol = CASES[request.param]
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**shape)).eval()
     folder = tmp_path_factory.mktemp(f"ct-{scheme}")
-    reference = write_compressed_tensors(model, scheme, folder, group_size=group)
+    reference = write_compressed_tensors(model, scheme, folder, group_size=group, fp16_scales=variant == "fp16")
     if scheme == "W8A8":
         _vllm_int8_inputs(reference)
-    return scheme, folder, _no_eos(reference), tol
+    return request.param, folder, _no_eos(reference), tol
 
 
 def _vllm_int8_inputs(model) -> None:
@@ -81,6 +95,9 @@ def test_greedy_tokens_and_logits_match_transformers(compressed):
     model = get_model(config, torch.float32, iterate_safetensors(folder), quant_config=resolve_quantization(config, None, False))
     layers = [m for m in model.modules() if isinstance(getattr(m, "_cpu", None), QuantizedLinear)]
     assert len(layers) == 4 * config.num_hidden_layers  # qkv, o, gate_up, down; lm_head ignored
+    if scheme == "W4A16+fp16":  # Q4_0 blocks where this CPU runs them, else the weight-only form
+        blocks = interleave_preferred(int4_blocks.GGML_Q4_0)
+        assert {layer._cpu.kind for layer in layers} == {"gguf" if blocks else "IntWeight"}
     prompts = make_prompts(3, seed=2, vocab=config.vocab_size)
     run = run_engine(model, prompts, 6)
     for i, prompt in enumerate(prompts):
@@ -93,7 +110,7 @@ def test_transformers_reads_the_same_weight_only_folder(compressed):
     """The files are the standard ones: transformers reading the folder back gives the same
     logits as the reference, for the schemes it reads correctly."""
     scheme, folder, ref, _ = compressed
-    if scheme not in ("W4A16", "W8A16", "FP8_DYNAMIC"):
+    if scheme.partition("+")[0] not in ("W4A16", "W8A16", "FP8_DYNAMIC"):
         pytest.skip("transformers does not read this scheme back faithfully (see write_compressed_tensors)")
     loaded = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     ids = torch.tensor([make_prompts(1, seed=3, vocab=ref.config.vocab_size)[0]])
@@ -117,4 +134,5 @@ def test_each_layer_matches_the_reference_layer_on_the_same_input(compressed):
             x = torch.randn(1, 7, theirs[0].in_features)  # 3-D: compressed-tensors quantizes per token only then
             with torch.no_grad():
                 expected = torch.cat([m(x)[0] for m in theirs], dim=1)
-                torch.testing.assert_close(ours(x[0]), expected, atol=1e-5, rtol=1e-5, msg=f"{scheme} layer {i} {fused}")
+                atol, rtol = (BLOCKS_LAYER_TOL * expected.abs().max().item(), 0) if scheme == "W4A16+fp16" else (1e-5, 1e-5)
+                torch.testing.assert_close(ours(x[0]), expected, atol=atol, rtol=rtol, msg=f"{scheme} layer {i} {fused}")

@@ -5,7 +5,8 @@ rank's slice), then kept as the only copy: packed for the CPU kernels (`ferrollm
 `ferrollm.kernels.cpu.gguf`) or the Triton ones (`ferrollm.kernels.triton.quant`) by the device the
 weight lives on. On the CPU, GGUF blocks stay views of the file's mapping, except Q4_0, Q4_1 and
 Q8_0 where the CPU runs their 16-row group product (AVX512-VNNI): those are re-laid once
-(`ferrollm.kernels.cpu.gguf.interleave`, the same bytes) and the file's pages handed back. For
+(`ferrollm.kernels.cpu.gguf.interleave`, the same bytes) and the file's pages handed back; on
+such CPUs symmetric weight-only int4 rows with fp16 scales become Q4_0 blocks (`int4_blocks`). For
 the Triton kernels they become weight-only integers (`GGUFWeight.as_int`, exact), after the
 loaders sharded them.
 
@@ -21,6 +22,7 @@ import os
 
 import torch
 
+from ferrollm.model_executor.layers.quantization import int4_blocks
 from ferrollm.model_executor.layers.quantization import qweights as qw
 
 __all__ = ["QuantizedLinear", "build_quantized_form"]
@@ -56,6 +58,13 @@ class QuantizedLinear:
                 self._prepare_parts(runs)
                 return
             w = self.source = qw.cat(runs[0])
+        # Symmetric weight-only int4 rows as Q4_0 blocks where the CPU runs those faster
+        # (`int4_blocks`); their group size, to give them back in their own form on saving.
+        self.int4_group: int | None = None
+        if self.on_cpu and isinstance(w, qw.IntWeight) and (blocks := int4_blocks.as_blocks(w)) is not None:
+            self.int4_group = w.group_size
+            self.residual_activations = True
+            w = self.source = [blocks]
         if isinstance(w, list):  # GGUF segments, each read where the file holds it (CPU only)
             self.kind = "gguf"
             # Stacked along the output features in one kernel call (q, k, v; gate, up).
@@ -163,7 +172,10 @@ class QuantizedLinear:
         if self.kind == "parts":  # saved as one weight: the parts' forms joined in the widest
             return qw.cat([part.saved_weight() for part in self.parts])
         if self.kind == "gguf" or isinstance(w, list):
-            return [s if isinstance(g, tuple) else _deinterleaved(s, g) for s, g in zip(w, self.segments)]
+            segments = [s if isinstance(g, tuple) else _deinterleaved(s, g) for s, g in zip(w, self.segments)]
+            if self.int4_group is not None:
+                return int4_blocks.from_blocks(segments[0], self.int4_group)
+            return segments
         in_features = self.in_features
         if isinstance(w, qw.IntWeight):
             q = self.packed if w.bits == 8 else _unpack_int4(self.packed, in_features, self.on_cpu)
