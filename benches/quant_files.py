@@ -16,7 +16,7 @@ own tool, so neither engine is measured on a file the other side wrote:
   W8A8 int8 per-channel weights with dynamic per-token int8 activations, W4A16 symmetric int4 in
   groups of 128 with its scales rounded to fp16 values (as GPTQ files, and compressed-tensors
   files of fp16 or bf16 models, hold them: what lets ferrollm run them as Q4_0 blocks,
-  `quantization.int4_blocks`); ``lm_head`` ignored, so the tied embedding stays fp32, as the
+  `quantization.int_blocks`); ``lm_head`` ignored, so the tied embedding stays fp32, as the
   checkpoint is.
 
 Every file is written under a temporary name and renamed into place, so an interrupted run leaves

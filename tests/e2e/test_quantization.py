@@ -17,7 +17,7 @@ from helpers.tp_cases import assert_same, run
 from ferrollm import LLM
 from ferrollm.exceptions import CheckpointError, ConfigError
 from ferrollm.kernels.cpu.gguf import interleave_preferred
-from ferrollm.model_executor.layers.quantization import int4_blocks
+from ferrollm.model_executor.layers.quantization import int_blocks
 
 ENGINE = dict(max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64)
 
@@ -40,8 +40,8 @@ def test_two_ranks_generate_what_one_does_on_compressed_tensors(tmp_path, tokeni
         single = run(llm)
     with LLM(str(folder), tensor_parallel_size=2, **ENGINE) as llm:
         sharded = run(llm)
-    if variant == "fp16" and interleave_preferred(int4_blocks.GGML_Q4_0):
-        # Q4_0 blocks meeting the activations as two 8-bit parts (`int4_blocks`): the ranks'
+    if variant == "fp16" and interleave_preferred(int_blocks.GGML_Q4_0):
+        # Q4_0 blocks meeting the activations as two 8-bit parts (`int_blocks`): the ranks'
         # partial sums add up in another order, which can move an activation across a rounding
         # step of its low part: the greedy tokens agree, the log-probabilities within 1e-3
         # (1.6e-4 measured), and the top two of a near-tie may swap.

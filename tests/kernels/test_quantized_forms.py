@@ -30,7 +30,8 @@ def _weights() -> dict[str, qw.QuantizedWeight]:
                                             mins=None if per_row.mins is None else _column_view(per_row.mins)),
             "fp8-static": dataclasses.replace(quantize_fp8(w), input_quant="static", input_scale=0.05),
             "fp8-token": dataclasses.replace(quantize_fp8(w), input_quant="token"),
-            "int4-f16": _symmetric_int4_f16_scales()}
+            "int4-f16": _symmetric_int4_f16_scales(),
+            "int8-f16": _symmetric_int8_f16_scales()}
 
 
 def _symmetric_int4_f16_scales(group: int = 32) -> qw.IntWeight:
@@ -38,6 +39,13 @@ def _symmetric_int4_f16_scales(group: int = 32) -> qw.IntWeight:
     q = torch.randint(0, 16, (OUT, IN), dtype=torch.uint8)
     scales = (torch.rand(OUT, IN // group) * 0.02 + 0.005).half().float()
     return qw.IntWeight(q, scales, -8 * scales, 4, group)
+
+
+def _symmetric_int8_f16_scales(group: int = 32) -> qw.IntWeight:
+    """Symmetric int8 (no mins) with fp16 scales: Q8_0 blocks where the CPU runs them."""
+    q = torch.randint(-128, 128, (OUT, IN), dtype=torch.int8)
+    scales = (torch.rand(OUT, IN // group) * 0.002 + 0.0005).half().float()
+    return qw.IntWeight(q, scales, None, 8, group)
 
 
 def _column_view(t: torch.Tensor) -> torch.Tensor:
@@ -53,7 +61,8 @@ def _backends():
 
 
 @pytest.mark.parametrize("backend", _backends())
-@pytest.mark.parametrize("kind", ["int4", "int4-f16", "int8", "int8-row", "w8a8", "fp8", "fp8-static", "fp8-token"])
+@pytest.mark.parametrize("kind", ["int4", "int4-f16", "int8", "int8-f16", "int8-row", "w8a8", "fp8", "fp8-static",
+                                  "fp8-token"])
 @pytest.mark.parametrize("rows", [1, 5])
 def test_forms_multiply_like_their_dequantized_weight(kind, backend, rows):
     weight = _weights()[kind]
@@ -65,7 +74,7 @@ def test_forms_multiply_like_their_dequantized_weight(kind, backend, rows):
     # (int8: 1/254 of a row's largest value per element; e4m3: 1/16 relative), bounded here by
     # the sum of |w| times that rounding.
     slack = {"int4": 1e-4, "int8": 1e-4, "int8-row": 1e-4}.get(kind)
-    if kind == "int4-f16":  # as Q4_0 blocks on the CPU: x as two 8-bit parts (int4_blocks)
+    if kind.endswith("-f16"):  # as Q4_0/Q8_0 blocks on the CPU: x as two 8-bit parts (int_blocks)
         step = x.abs().amax() / 254**2
         slack = float(step * weight.dequantize().abs().sum(1).max()) + 1e-4
     elif slack is None:
@@ -74,7 +83,7 @@ def test_forms_multiply_like_their_dequantized_weight(kind, backend, rows):
     torch.testing.assert_close(form.linear(x, bias), expected, atol=slack, rtol=0)
 
 
-@pytest.mark.parametrize("kind", ["int4", "int4-f16", "int8", "w8a8", "fp8"])
+@pytest.mark.parametrize("kind", ["int4", "int4-f16", "int8", "int8-f16", "w8a8", "fp8"])
 def test_sharded_state_tensors_round_trip_through_the_cpu_packing(kind):
     """What save_sharded_state writes for a layer (read back from the kernels' packing) makes the
     same weight again (e2e/test_quantization.py round-trips whole models)."""
@@ -109,29 +118,32 @@ def test_a_gguf_form_re_laid_in_groups_saves_the_file_s_blocks():
     torch.testing.assert_close(form.linear(x, None), plain, rtol=1e-5, atol=1e-5)
 
 
-def test_symmetric_int4_with_f16_scales_becomes_q4_0_blocks_only_where_they_hold_it_exactly(monkeypatch):
-    """`int4_blocks.as_blocks`: Q4_0 blocks whose values are the weight's, bit for bit; every
-    weight they cannot hold exactly, or that the CPU would not run faster, keeps its form."""
+def test_symmetric_integers_with_f16_scales_become_gguf_blocks_only_where_they_hold_them_exactly(monkeypatch):
+    """`int_blocks.as_blocks`: Q4_0 / Q8_0 blocks whose values are the weight's, bit for bit, and
+    the same weight back for saving; every weight they cannot hold exactly, or that the CPU would
+    not run faster, keeps its form."""
     from ferrollm.kernels.cpu import gguf
-    from ferrollm.model_executor.layers.quantization import int4_blocks
+    from ferrollm.model_executor.layers.quantization import int_blocks
 
     monkeypatch.setattr(gguf, "interleave_preferred", lambda ggml_type: True)
-    weight = _symmetric_int4_f16_scales(group=64)
-    blocks = int4_blocks.as_blocks(weight)
-    assert blocks is not None and blocks.ggml_type == int4_blocks.GGML_Q4_0
-    assert torch.equal(blocks.dequantize(), weight.dequantize())
-    back = int4_blocks.from_blocks(blocks, 64)
-    assert all(torch.equal(a, b) for a, b in zip((back.q, back.scales, back.mins), (weight.q, weight.scales, weight.mins)))
-    fp32_scales = dataclasses.replace(weight, scales=weight.scales + 1e-6, mins=-8 * (weight.scales + 1e-6))
-    refused = {"fp32 scales": fp32_scales,
-               "zero points": dataclasses.replace(weight, mins=weight.mins + weight.scales),
-               "act order": dataclasses.replace(weight, perm=torch.arange(IN)),
-               "groups of 16": _symmetric_int4_f16_scales(group=16),
-               "8 bits": quantize_rtn(torch.randn(OUT, IN), 8, 32)}
+    four, eight = _symmetric_int4_f16_scales(group=64), _symmetric_int8_f16_scales(group=64)
+    for weight, ggml_type in ((four, int_blocks.GGML_Q4_0), (eight, int_blocks.GGML_Q8_0)):
+        blocks = int_blocks.as_blocks(weight)
+        assert blocks is not None and blocks.ggml_type == ggml_type
+        assert torch.equal(blocks.dequantize(), weight.dequantize())
+        back = int_blocks.from_blocks(blocks, 64)
+        assert torch.equal(back.q, weight.q) and torch.equal(back.scales, weight.scales)
+        assert (back.mins is None) == (weight.mins is None)
+        assert back.mins is None or torch.equal(back.mins, weight.mins)
+    refused = {"fp32 scales": dataclasses.replace(four, scales=four.scales + 1e-6, mins=-8 * (four.scales + 1e-6)),
+               "int4 zero points": dataclasses.replace(four, mins=four.mins + four.scales),
+               "int8 mins": dataclasses.replace(eight, mins=eight.scales),
+               "act order": dataclasses.replace(four, perm=torch.arange(IN)),
+               "groups of 16": _symmetric_int4_f16_scales(group=16)}
     for what, w in refused.items():
-        assert int4_blocks.as_blocks(w) is None, what
-    monkeypatch.setenv("FERROLLM_CPU_INT4_BLOCKS", "0")
-    assert int4_blocks.as_blocks(weight) is None
-    monkeypatch.delenv("FERROLLM_CPU_INT4_BLOCKS")
+        assert int_blocks.as_blocks(w) is None, what
+    monkeypatch.setenv("FERROLLM_CPU_INT_BLOCKS", "0")
+    assert int_blocks.as_blocks(four) is None
+    monkeypatch.delenv("FERROLLM_CPU_INT_BLOCKS")
     monkeypatch.setattr(gguf, "interleave_preferred", lambda ggml_type: False)
-    assert int4_blocks.as_blocks(weight) is None
+    assert int_blocks.as_blocks(four) is None

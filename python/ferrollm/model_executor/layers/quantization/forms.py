@@ -6,9 +6,9 @@ rank's slice), then kept as the only copy: packed for the CPU kernels (`ferrollm
 weight lives on. On the CPU, GGUF blocks stay views of the file's mapping, except Q4_0, Q4_1 and
 Q8_0 where the CPU runs their 16-row group product (AVX512-VNNI): those are re-laid once
 (`ferrollm.kernels.cpu.gguf.interleave`, the same bytes) and the file's pages handed back; on
-such CPUs symmetric weight-only int4 rows with fp16 scales become Q4_0 blocks (`int4_blocks`). For
-the Triton kernels they become weight-only integers (`GGUFWeight.as_int`, exact), after the
-loaders sharded them.
+such CPUs symmetric weight-only int4/int8 rows with fp16 scales become Q4_0/Q8_0 blocks
+(`int_blocks`). For the Triton kernels GGUF blocks become weight-only integers
+(`GGUFWeight.as_int`, exact), after the loaders sharded them.
 
 Products take float activations ``[rows, in]`` in the model's dtype; the CPU kernels compute in
 float32, so a bf16 model's rows are converted on the way in and out.
@@ -22,7 +22,7 @@ import os
 
 import torch
 
-from ferrollm.model_executor.layers.quantization import int4_blocks
+from ferrollm.model_executor.layers.quantization import int_blocks
 from ferrollm.model_executor.layers.quantization import qweights as qw
 
 __all__ = ["QuantizedLinear", "build_quantized_form"]
@@ -58,11 +58,11 @@ class QuantizedLinear:
                 self._prepare_parts(runs)
                 return
             w = self.source = qw.cat(runs[0])
-        # Symmetric weight-only int4 rows as Q4_0 blocks where the CPU runs those faster
-        # (`int4_blocks`); their group size, to give them back in their own form on saving.
-        self.int4_group: int | None = None
-        if self.on_cpu and isinstance(w, qw.IntWeight) and (blocks := int4_blocks.as_blocks(w)) is not None:
-            self.int4_group = w.group_size
+        # Symmetric weight-only int4/int8 rows as Q4_0/Q8_0 blocks where the CPU runs those
+        # faster (`int_blocks`); their group size, to give them back in their own form on saving.
+        self.int_group: int | None = None
+        if self.on_cpu and isinstance(w, qw.IntWeight) and (blocks := int_blocks.as_blocks(w)) is not None:
+            self.int_group = w.group_size
             self.residual_activations = True
             w = self.source = [blocks]
         if isinstance(w, list):  # GGUF segments, each read where the file holds it (CPU only)
@@ -173,8 +173,8 @@ class QuantizedLinear:
             return qw.cat([part.saved_weight() for part in self.parts])
         if self.kind == "gguf" or isinstance(w, list):
             segments = [s if isinstance(g, tuple) else _deinterleaved(s, g) for s, g in zip(w, self.segments)]
-            if self.int4_group is not None:
-                return int4_blocks.from_blocks(segments[0], self.int4_group)
+            if self.int_group is not None:
+                return int_blocks.from_blocks(segments[0], self.int_group)
             return segments
         in_features = self.in_features
         if isinstance(w, qw.IntWeight):
