@@ -62,7 +62,7 @@ def as_blocks(w: qw.IntWeight) -> qw.GGUFWeight | None:
         return None
     out_features, in_features = w.q.shape
     blocks = in_features // BLOCK
-    q = w.q.view(out_features, blocks, BLOCK)
+    q = w.q.contiguous().view(out_features, blocks, BLOCK)
     values = q[..., :BLOCK // 2] | (q[..., BLOCK // 2:] << 4) if w.bits == 4 else q.view(torch.uint8)
     d = scales.repeat_interleave(w.group_size // BLOCK, dim=1).half().view(torch.uint8).view(out_features, blocks, 2)
     block_bytes = 2 + values.shape[2]
