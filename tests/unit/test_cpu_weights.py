@@ -147,6 +147,19 @@ def test_row_slabs_gives_the_whole_product_and_calls_fn_per_slab(rows):
     assert fn_calls[:-1] == [min(8, rows - start) for start in range(0, rows, 8)]
 
 
+@pytest.mark.parametrize("rows,slabs", [(40, [24, 16]), (33, [24, 9]), (64, [32, 32]), (65, [24, 24, 17])])
+def test_row_slabs_are_as_few_and_as_even_as_whole_gemm_blocks_allow(rows, slabs):
+    fn_calls = []
+
+    def fn(part):
+        fn_calls.append(part.shape[0])
+        return part * 2
+
+    x = torch.randn(rows, 4)
+    torch.testing.assert_close(row_slabs(fn, x, 32), x * 2)
+    assert fn_calls == slabs
+
+
 def test_the_cpu_mlp_of_a_long_prefill_runs_in_slabs_and_matches_one_pass():
     torch.manual_seed(0)
     mlp = LlamaMLP(32, 48, "silu", False, torch.float32)

@@ -274,8 +274,8 @@ mod tests {
     #[test]
     fn matches_the_reference() {
         // Row counts around the 8-row block, column counts around vectors and panels, k around
-        // the 128-long chunk; 300 rows cross the 256-row slab. One row takes its own loop, four
-        // panel rows at a time (k = 5 and 129 leave one over); 257 rows end on a one-row slab.
+        // the 128-long chunk; 257, 300 and 520 rows take two and three slabs of at most 256. One
+        // row takes its own loop, four panel rows at a time (k = 5 and 129 leave one over).
         let cases = [
             (3, 40, 96),
             (8, 48, 128),
@@ -286,6 +286,7 @@ mod tests {
             (1, 1153, 96),
             (300, 64, 33),
             (257, 40, 7),
+            (520, 20, 9),
         ];
         for (rows, n, k) in cases {
             let shape = GemmShape { rows, out_features: n, in_features: k };

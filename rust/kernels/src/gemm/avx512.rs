@@ -78,9 +78,14 @@ impl Tile {
     }
 }
 
-/// The slabs of [`ROW_SLAB`] rows that each pass over the weight.
+/// The slabs, of at most [`ROW_SLAB`] rows, that each pass over the weight: as few as fit and
+/// as even as whole row blocks allow. Cut at [`ROW_SLAB`] every time, a 266-row step (two
+/// colliding prompts and the running decode rows) would end in a 10-row pass that reads the
+/// whole weight for a few rows' work; two passes of 136 and 130 rows read it as often and keep
+/// every pass compute-bound.
 fn slabs(rows: usize) -> impl Iterator<Item = Range<usize>> {
-    (0..rows).step_by(ROW_SLAB).map(move |start| start..(start + ROW_SLAB).min(rows))
+    let size = rows.div_ceil(rows.div_ceil(ROW_SLAB).max(1)).next_multiple_of(ROW_BLOCK).min(ROW_SLAB);
+    (0..rows).step_by(size.max(1)).map(move |start| start..(start + size).min(rows))
 }
 
 /// The tiles of a thread's columns `cols`, runs of at most one panel, as `(first column, columns)`.
@@ -350,6 +355,26 @@ impl Step {
             _mm512_maskz_loadu_ps(self.mask, at)
         } else {
             _mm512_loadu_ps(at)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn slabs_are_as_few_and_as_even_as_whole_row_blocks_allow() {
+        for rows in [0, 1, 8, 255, 256, 257, 266, 300, 512, 513, 1000] {
+            let cut: Vec<_> = slabs(rows).collect();
+            assert_eq!(cut.len(), rows.div_ceil(ROW_SLAB), "{rows} rows");
+            assert_eq!(cut.iter().map(|s| s.len()).sum::<usize>(), rows, "{rows} rows");
+            assert!(cut.windows(2).all(|w| w[0].end == w[1].start), "{rows} rows");
+            assert!(cut.iter().all(|s| s.len() <= ROW_SLAB), "{rows} rows");
+            let (last, whole) = cut.split_last().map_or((0, &[][..]), |(l, w)| (l.len(), w));
+            assert!(whole.iter().all(|s| s.len().is_multiple_of(ROW_BLOCK)), "{rows} rows");
+            // The last is short by less than a row block per slab (the sizes round up to blocks).
+            assert!(whole.iter().all(|s| last + cut.len() * ROW_BLOCK > s.len()), "{rows} rows: {cut:?}");
         }
     }
 }
