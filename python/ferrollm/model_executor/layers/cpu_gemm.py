@@ -22,17 +22,21 @@ GEMM_ROW_BLOCK = 8
 
 
 def row_slabs(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, rows: int) -> torch.Tensor:
-    """`fn(x)` for a row-wise `fn` that keeps the width, in as few slabs of at most `rows` rows
-    as fit, each the same whole number of GEMM row blocks but the last. Cut at `rows` every time, a 266-row step (two
-    colliding prompts and the running decode rows) would end in a 10-row slab whose MLP reads
-    every MLP weight again for a few rows' work; 136 and 130 read them as often and stay
-    compute-bound."""
+    """`fn(x)` for a row-wise `fn` that keeps the width, in as few slabs of at most `rows` rows as
+    fit, each the same whole number of GEMM row blocks but the last. Cut at `rows` every time, a
+    266-row step (two colliding prompts and the running decode rows) would end in a 10-row slab
+    whose MLP reads every MLP weight again for a few rows' work; 136 and 130 read them as often
+    and stay compute-bound."""
     total = x.shape[0]
     if total <= rows:
         return fn(x)
-    size = -(-total // -(-total // rows))
-    size = min(rows, -(-size // GEMM_ROW_BLOCK) * GEMM_ROW_BLOCK)
+    count = -(-total // rows)
+    size = min(rows, _round_up(-(-total // count), GEMM_ROW_BLOCK))
     out = torch.empty_like(x)
     for start in range(0, total, size):
         out[start:start + size] = fn(x[start:start + size])
     return out
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
