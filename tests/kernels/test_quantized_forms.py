@@ -70,15 +70,12 @@ def test_forms_multiply_like_their_dequantized_weight(kind, backend, rows):
     x = torch.randn(rows, IN)
     bias = torch.randn(OUT)
     expected = x @ weight.dequantize().t() + bias
-    # Weight-only kinds are exact to float32 rounding; the others round x to 8 bits first
-    # (int8: 1/254 of a row's largest value per element; e4m3: 1/16 relative), bounded here by
-    # the sum of |w| times that rounding.
+    # Weight-only kinds are exact to float32 rounding; the others round x first (int8: 1/254 of a
+    # row's largest value per element; e4m3: 1/16 relative; the "-f16" kinds, Q4_0/Q8_0 blocks on
+    # the CPU, two 8-bit parts: 1/254²), bounded here by the sum of |w| times that rounding.
     slack = {"int4": 1e-4, "int8": 1e-4, "int8-row": 1e-4}.get(kind)
-    if kind.endswith("-f16"):  # as Q4_0/Q8_0 blocks on the CPU: x as two 8-bit parts (int_blocks)
-        step = x.abs().amax() / 254**2
-        slack = float(step * weight.dequantize().abs().sum(1).max()) + 1e-4
-    elif slack is None:
-        step = x.abs().amax() / 254 if kind == "w8a8" else x.abs().amax() / 16
+    if slack is None:
+        step = x.abs().amax() / {"w8a8": 254, "int4-f16": 254**2, "int8-f16": 254**2}.get(kind, 16)
         slack = float(step * weight.dequantize().abs().sum(1).max()) + 1e-4
     torch.testing.assert_close(form.linear(x, bias), expected, atol=slack, rtol=0)
 

@@ -16,8 +16,8 @@ crossed one moved a logit by up to 0.15 (FP8_BLOCK, measured), so 0.2 there. Eac
 reference layer's input, agrees to float32 rounding (`test_each_layer_...`).
 
 W4A16 and W8A16 with fp16 scales run, on CPUs with AVX512-VNNI, as Q4_0 and Q8_0 blocks that
-meet the activations as two 8-bit parts (`quantization.int_blocks`): each activation within `max|x_b| / 254²` of its
-32-element block's largest magnitude `max|x_b|`. A layer's outputs moved by up to 2.4e-5 of its
+meet the activations as two 8-bit parts (`quantization.int_blocks`): each activation within
+`max|x_b| / 254²` of its 32-element block's largest magnitude `max|x_b|`. A layer's outputs moved by up to 2.4e-5 of its
 largest output here (5e-5 allowed), the logits (of magnitude ~5) by up to 9.4e-4
 (3e-3 allowed); the greedy tokens agree.
 """

@@ -33,6 +33,7 @@ import os
 
 import torch
 
+from ferrollm.model_executor.ggml_types import block_size
 from ferrollm.model_executor.layers.quantization import qweights as qw
 
 __all__ = ["as_blocks", "from_blocks"]
@@ -65,9 +66,9 @@ def as_blocks(w: qw.IntWeight) -> qw.GGUFWeight | None:
     q = w.q.contiguous().view(out_features, blocks, BLOCK)
     values = q[..., :BLOCK // 2] | (q[..., BLOCK // 2:] << 4) if w.bits == 4 else q.view(torch.uint8)
     d = scales.repeat_interleave(w.group_size // BLOCK, dim=1).half().view(torch.uint8).view(out_features, blocks, 2)
-    block_bytes = 2 + values.shape[2]
+    block_len, block_bytes = block_size(ggml_type)
     data = torch.cat([d, values], dim=2).reshape(out_features, blocks * block_bytes)
-    return qw.GGUFWeight(data, ggml_type, in_features, BLOCK, block_bytes)
+    return qw.GGUFWeight(data, ggml_type, in_features, block_len, block_bytes)
 
 
 def from_blocks(w: qw.GGUFWeight, group_size: int) -> qw.IntWeight:
