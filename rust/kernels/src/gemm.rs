@@ -103,9 +103,9 @@ pub fn gemm(
     threads: usize,
 ) -> Result<(), KernelError> {
     let panels = check_buffers(x, packed, bias, out.len(), shape, 1)?;
-    let job = Job { x, packed, bias, panels, rows: shape.rows };
-    // SAFETY: each thread writes only its columns `cols` of `out`, whose length was checked.
-    for_each_column_share(panels, out, threads, |cols, out| unsafe { job.run(cols, out) });
+    let job = Job { x, packed, bias, panels };
+    // SAFETY: each tile of `out`, whose length was checked, goes to one thread.
+    for_each_tile(panels, shape.rows, out, threads, |tiles, out| unsafe { job.run(tiles, out) });
     Ok(())
 }
 
@@ -129,10 +129,12 @@ pub fn gemm_silu_mul(
         Some((g, u)) => (Some(g), Some(u)),
         None => (None, None),
     };
-    let gate = Job { x, packed: gate_w, bias: gate_b, panels, rows: shape.rows };
+    let gate = Job { x, packed: gate_w, bias: gate_b, panels };
     let up = Job { packed: up_w, bias: up_b, ..gate };
-    // SAFETY: each thread writes only its columns `cols` of `out`, whose length was checked.
-    for_each_column_share(panels, out, threads, |cols, out| unsafe { run_gated(&gate, &up, cols, out) });
+    // SAFETY: each tile of `out`, whose length was checked, goes to one thread.
+    for_each_tile(panels, shape.rows, out, threads, |tiles, out| unsafe {
+        run_gated(&gate, &up, tiles, out)
+    });
     Ok(())
 }
 
@@ -157,51 +159,99 @@ fn check_buffers(
     Ok(panels)
 }
 
-/// Runs `run(cols, out)` on the OpenMP team, each thread with a contiguous range of 16-column
-/// vectors of `out`'s `panels.out_features` columns; nothing when `out` is empty.
-fn for_each_column_share(
+/// Runs `work(tiles, out)` on each thread of the OpenMP team, which takes tiles from `tiles`
+/// until none is left; nothing when `out` is empty.
+fn for_each_tile(
     panels: Panels,
+    rows: usize,
     out: &mut [f32],
     threads: usize,
-    run: impl Fn(Range<usize>, *mut f32) + Sync,
+    work: impl Fn(&Tiles, *mut f32) + Sync,
 ) {
     if out.is_empty() {
         return;
     }
+    let tiles = Tiles::new(panels, rows);
     let dst = openmp::SharedMut(out.as_mut_ptr());
-    let vectors = panels.padded / LANES;
-    openmp::parallel(threads.min(vectors), |thread, team| {
-        let share = openmp::share(vectors, thread, team);
-        run(share.start * LANES..(share.end * LANES).min(panels.out_features), dst.get());
-    });
+    openmp::parallel(threads.min(tiles.claims.len()), |_, _| work(&tiles, dst.get()));
+}
+
+/// Rows per pass over the weight: a slab's accumulators for one panel (256 × 48 × 4 B = 48 KB)
+/// stay in L2 between chunks, however long the prefill.
+const ROW_SLAB: usize = 256;
+/// Rows per micro-kernel call: 8 rows × 3 vectors = 24 accumulators, with the 3 panel vectors
+/// and the broadcast inside the 32 registers. Slabs but the last are whole blocks of them.
+const ROW_BLOCK: usize = 8;
+
+/// Rows per slab: as few slabs as [`ROW_SLAB`] allows, as even as whole row blocks allow. Cut at
+/// [`ROW_SLAB`] every time, a 266-row step (two colliding prompts and the running decode rows)
+/// would end in a 10-row pass that reads the whole weight for a few rows' work; two passes of
+/// 136 and 130 rows read it as often and keep every pass compute-bound.
+fn slab_len(rows: usize) -> usize {
+    rows.div_ceil(rows.div_ceil(ROW_SLAB).max(1)).next_multiple_of(ROW_BLOCK).clamp(1, ROW_SLAB)
+}
+
+/// One call's work as tiles, one panel's columns for one row slab each, slab after slab, which
+/// the team's threads claim as they come free ([`openmp::Claims`]): each tile's values are the
+/// same whichever thread computes it.
+struct Tiles {
+    panels: Panels,
+    rows: usize,
+    slab: usize,
+    /// Panels of the output: tiles per slab.
+    across: usize,
+    claims: openmp::Claims,
+}
+
+impl Tiles {
+    fn new(panels: Panels, rows: usize) -> Self {
+        let (slab, across) = (slab_len(rows), panels.padded.div_ceil(PANEL_WIDTH));
+        Tiles { panels, rows, slab, across, claims: openmp::Claims::new(rows.div_ceil(slab) * across) }
+    }
+
+    /// Tile `i`'s rows and columns.
+    fn tile(&self, i: usize) -> (Range<usize>, Range<usize>) {
+        let (slab, panel) = (i / self.across, i % self.across);
+        let rows = slab * self.slab..((slab + 1) * self.slab).min(self.rows);
+        (rows, panel * PANEL_WIDTH..((panel + 1) * PANEL_WIDTH).min(self.panels.out_features))
+    }
+
+    /// Runs `f(rows, cols, then)` on every tile this thread claims, `then` being the columns of
+    /// its next claim: a claim ahead, so a pass can prefetch the weight the thread reads next.
+    fn claim_each(&self, mut f: impl FnMut(Range<usize>, Range<usize>, Option<Range<usize>>)) {
+        let mut claim = self.claims.take().map(|i| self.tile(i));
+        while let Some((rows, cols)) = claim {
+            claim = self.claims.take().map(|i| self.tile(i));
+            f(rows, cols, claim.as_ref().map(|(_, then)| then.clone()));
+        }
+    }
 }
 
 /// # Safety
 /// As [`Job::run`], for both jobs.
-unsafe fn run_gated(gate: &Job<'_>, up: &Job<'_>, cols: Range<usize>, out: *mut f32) {
-    if cols.is_empty() {
-        return;
-    }
+unsafe fn run_gated(gate: &Job<'_>, up: &Job<'_>, tiles: &Tiles, out: *mut f32) {
     #[cfg(target_arch = "x86_64")]
     if avx512::available() && gate.panels.in_features > 0 {
-        return avx512::run_gated(gate, up, cols, out);
+        return avx512::run_gated(gate, up, tiles, out);
     }
-    run_gated_portable(gate, up, cols, out);
+    tiles.claim_each(|rows, cols, _| run_gated_portable(gate, up, rows, cols, out));
 }
 
-/// The reference loop: both products of this thread's columns, then the activation.
+/// The reference loop: both products of a tile, then the activation.
 ///
 /// # Safety
 /// As [`run_gated`].
-unsafe fn run_gated_portable(gate: &Job<'_>, up: &Job<'_>, cols: Range<usize>, out: *mut f32) {
+unsafe fn run_gated_portable(
+    gate: &Job<'_>,
+    up: &Job<'_>,
+    rows: Range<usize>,
+    cols: Range<usize>,
+    out: *mut f32,
+) {
     let width = gate.panels.out_features;
-    let (mut g, mut u) = (vec![0.0; gate.rows * width], vec![0.0; gate.rows * width]);
-    gate.run_portable(cols.clone(), g.as_mut_ptr());
-    up.run_portable(cols.clone(), u.as_mut_ptr());
-    for r in 0..gate.rows {
-        let at = r * width;
-        let dst = std::slice::from_raw_parts_mut(out.add(at + cols.start), cols.len());
-        silu_mul(&g[at + cols.start..at + cols.end], &u[at + cols.start..at + cols.end], dst);
+    for r in rows {
+        let (g, u): (Vec<f32>, Vec<f32>) = cols.clone().map(|col| (gate.dot(r, col), up.dot(r, col))).unzip();
+        silu_mul(&g, &u, std::slice::from_raw_parts_mut(out.add(r * width + cols.start), cols.len()));
     }
 }
 
@@ -212,35 +262,37 @@ struct Job<'a> {
     packed: &'a [f32],
     bias: Option<&'a [f32]>,
     panels: Panels,
-    rows: usize,
 }
 
 impl Job<'_> {
+    /// The tiles this thread claims from `tiles`.
+    ///
     /// # Safety
     /// `out` must address `rows * out_features` elements, of which no other thread writes the
-    /// columns in `cols`.
-    unsafe fn run(&self, cols: Range<usize>, out: *mut f32) {
-        if cols.is_empty() {
-            return;
-        }
+    /// tiles this one claims.
+    unsafe fn run(&self, tiles: &Tiles, out: *mut f32) {
         #[cfg(target_arch = "x86_64")]
         if avx512::available() && self.panels.in_features > 0 {
-            return avx512::run(self, cols, out);
+            return avx512::run(self, tiles, out);
         }
-        self.run_portable(cols, out);
+        tiles.claim_each(|rows, cols, _| self.run_portable(rows, cols, out));
     }
 
     /// The reference loop, for CPUs without AVX-512 (and the tests' yardstick).
-    unsafe fn run_portable(&self, cols: Range<usize>, out: *mut f32) {
-        let (k_len, n_len) = (self.panels.in_features, self.panels.out_features);
-        for r in 0..self.rows {
-            let row = &self.x[r * k_len..(r + 1) * k_len];
+    unsafe fn run_portable(&self, rows: Range<usize>, cols: Range<usize>, out: *mut f32) {
+        for r in rows {
             for col in cols.clone() {
-                let dot: f32 =
-                    row.iter().enumerate().map(|(k, v)| v * self.packed[self.panels.index(col, k)]).sum();
-                *out.add(r * n_len + col) = dot + self.bias.map_or(0.0, |b| b[col]);
+                *out.add(r * self.panels.out_features + col) = self.dot(r, col);
             }
         }
+    }
+
+    /// `out[r, col]` the plain way.
+    fn dot(&self, r: usize, col: usize) -> f32 {
+        let k_len = self.panels.in_features;
+        let row = &self.x[r * k_len..(r + 1) * k_len];
+        let dot: f32 = row.iter().enumerate().map(|(k, v)| v * self.packed[self.panels.index(col, k)]).sum();
+        dot + self.bias.map_or(0.0, |b| b[col])
     }
 }
 
@@ -268,6 +320,38 @@ mod tests {
     fn assert_close(got: &[f32], want: &[f32], what: &str) {
         for (i, (g, w)) in got.iter().zip(want).enumerate() {
             assert!((g - w).abs() <= 1e-4 * (1.0 + w.abs()), "{what}[{i}]: {g} vs {w}");
+        }
+    }
+
+    #[test]
+    fn slabs_are_as_few_and_as_even_as_whole_row_blocks_allow() {
+        for rows in [1, 8, 255, 256, 257, 266, 300, 512, 513, 1000] {
+            let size = slab_len(rows);
+            let cut: Vec<_> = (0..rows).step_by(size).map(|s| s..(s + size).min(rows)).collect();
+            assert_eq!(cut.len(), rows.div_ceil(ROW_SLAB), "{rows} rows");
+            assert!(size <= ROW_SLAB && (size.is_multiple_of(ROW_BLOCK) || cut.len() == 1), "{rows} rows");
+            // The last is short by less than a row block per slab (the sizes round up to blocks).
+            let last = cut.last().unwrap().len();
+            assert!(last + cut.len() * ROW_BLOCK > size, "{rows} rows: {cut:?}");
+        }
+    }
+
+    #[test]
+    fn the_tiles_cover_every_output_once_slab_after_slab() {
+        for (rows, n) in [(1, 17), (3, 48), (8, 49), (266, 100), (600, 1153)] {
+            let tiles = Tiles::new(Panels::new(n, 4), rows);
+            let mut seen = vec![0u8; rows * n];
+            let mut last_slab = 0;
+            tiles.claim_each(|rows, cols, then| {
+                assert!(rows.start >= last_slab, "slab {rows:?} after {last_slab}");
+                last_slab = rows.start;
+                assert!(cols.start % PANEL_WIDTH == 0 && cols.len() <= PANEL_WIDTH && !cols.is_empty());
+                assert!(then.is_none_or(|t| t.start % PANEL_WIDTH == 0));
+                for r in rows {
+                    cols.clone().for_each(|c| seen[r * n + c] += 1);
+                }
+            });
+            assert!(seen.iter().all(|&s| s == 1), "{rows} x {n}");
         }
     }
 
@@ -331,11 +415,11 @@ mod tests {
         let (x, w) = (values(rows * k, 12), values(2 * width * k, 13));
         let both = packed_halves(&w, width, k);
         let panels = Panels::new(width, k);
-        let gate = Job { x: &x, packed: &both[..panels.len()], bias: None, panels, rows };
+        let gate = Job { x: &x, packed: &both[..panels.len()], bias: None, panels };
         let up = Job { packed: &both[panels.len()..], ..gate };
         let mut got = vec![f32::NAN; rows * width];
         // SAFETY: one thread, every column, `got` sized to the shape.
-        unsafe { run_gated_portable(&gate, &up, 0..width, got.as_mut_ptr()) };
+        unsafe { run_gated_portable(&gate, &up, 0..rows, 0..width, got.as_mut_ptr()) };
         let product = reference(&x, &w, None, GemmShape { rows, out_features: 2 * width, in_features: k });
         let mut want = vec![0.0; rows * width];
         crate::activation::silu_and_mul(&product, width, &mut want, 1).unwrap();
@@ -347,10 +431,10 @@ mod tests {
         let shape = GemmShape { rows: 5, out_features: 70, in_features: 19 };
         let (x, w, b) = (values(95, 5), values(70 * 19, 6), values(70, 7));
         let p = packed(&w, 70, 19);
-        let job = Job { x: &x, packed: &p, bias: Some(&b), panels: Panels::new(70, 19), rows: 5 };
+        let job = Job { x: &x, packed: &p, bias: Some(&b), panels: Panels::new(70, 19) };
         let mut out = vec![f32::NAN; 5 * 70];
         // SAFETY: one thread, every column, `out` sized to the shape.
-        unsafe { job.run_portable(0..70, out.as_mut_ptr()) };
+        unsafe { job.run_portable(0..5, 0..70, out.as_mut_ptr()) };
         assert_close(&out, &reference(&x, &w, Some(&b), shape), "portable");
     }
 

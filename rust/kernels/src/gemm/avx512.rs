@@ -1,11 +1,11 @@
 //! The GEMM in AVX-512 intrinsics.
 //!
-//! A thread's columns are cut into tiles of at most one panel (1-3 vectors); for each slab of
-//! [`ROW_SLAB`] rows and each tile, the panel rows go by in chunks of [`K_CHUNK`], and every
+//! A thread runs the tiles it claims (one panel's columns, 1-3 vectors, for one slab of rows:
+//! `super::Tiles`); in a tile, the panel rows go by in chunks of [`K_CHUNK`], and every
 //! [`ROW_BLOCK`]-row block of the slab multiplies the chunk into its accumulators, which live in
 //! registers for the chunk and in `out` between chunks. The first block takes the chunk from
-//! memory; the blocks between them prefetch the next chunk (or the next panel), a line per
-//! panel row, so the next first block finds it in cache.
+//! memory; the blocks between them prefetch the next chunk (or the thread's next tile), a line
+//! per panel row, so the next first block finds it in cache.
 //!
 //! A slab of one row (a batch-1 decode step) takes [`one_row`] instead: it streams each panel
 //! once, start to end, asking for it ahead (on AMD as non-temporal, so the stream does not flush L3).
@@ -16,18 +16,12 @@
 use std::arch::x86_64::*;
 use std::ops::Range;
 
-use super::{Job, Panels, LANES, PANEL_WIDTH};
+use super::{Job, Tiles, LANES, PANEL_WIDTH, ROW_BLOCK};
 use crate::activation::silu_mul;
 
-/// Rows per micro-kernel call: 8 rows × 3 vectors = 24 accumulators, with the 3 panel vectors
-/// and the broadcast inside the 32 registers.
-const ROW_BLOCK: usize = 8;
 /// Panel rows per chunk: 128 × 48 × 4 B = 24 KB, inside the 32 KB L1 with the blocks' `x`.
 /// Measured 64: 120 ms, 96: 126, 128: 116-133, 160: 115, 256: 127, 896: 124 for the 32-row step.
 const K_CHUNK: usize = 128;
-/// Rows per pass over the weight: a slab's accumulators for one panel (256 × 48 × 4 B = 48 KB)
-/// stay in L2 between chunks, however long the prefill.
-const ROW_SLAB: usize = 256;
 const LINE: usize = 64;
 
 pub(super) fn available() -> bool {
@@ -63,85 +57,64 @@ impl Target {
 }
 
 impl Tile {
-    /// The `span` columns from `col`, which lie inside one panel of `job`'s weight.
-    unsafe fn new(job: &Job<'_>, col: usize, span: usize) -> Self {
+    /// The columns `cols`, which lie inside one panel of `job`'s weight; its last chunk
+    /// prefetches the start of `then`'s columns (the thread's next tile), else the next panel.
+    unsafe fn new(job: &Job<'_>, cols: Range<usize>, then: Option<&Range<usize>>) -> Self {
         let panels = job.panels;
-        let (panel, within) = (col / PANEL_WIDTH, col % PANEL_WIDTH);
-        let tail = span - (span.div_ceil(LANES) - 1) * LANES;
+        let (panel, within) = (cols.start / PANEL_WIDTH, cols.start % PANEL_WIDTH);
+        debug_assert!(within + cols.len() <= panels.width(panel), "{cols:?} crosses a panel");
+        let tail = cols.len() - (cols.len().div_ceil(LANES) - 1) * LANES;
+        let next = then.map_or(panels.offset(panel + 1), |then| panels.index(then.start, 0));
         Tile {
             weight: job.packed.as_ptr().add(panels.offset(panel) + within),
             stride: panels.width(panel),
-            col,
+            col: cols.start,
             mask: if tail == LANES { !0 } else { (1 << tail) - 1 },
-            next: job.packed.as_ptr().wrapping_add(panels.offset(panel + 1)),
+            next: job.packed.as_ptr().wrapping_add(next),
         }
     }
-}
-
-/// The slabs, of at most [`ROW_SLAB`] rows, that each pass over the weight: as few as fit and
-/// as even as whole row blocks allow. Cut at [`ROW_SLAB`] every time, a 266-row step (two
-/// colliding prompts and the running decode rows) would end in a 10-row pass that reads the
-/// whole weight for a few rows' work; two passes of 136 and 130 rows read it as often and keep
-/// every pass compute-bound.
-fn slabs(rows: usize) -> impl Iterator<Item = Range<usize>> {
-    let size = rows.div_ceil(rows.div_ceil(ROW_SLAB).max(1)).next_multiple_of(ROW_BLOCK).min(ROW_SLAB);
-    (0..rows).step_by(size.max(1)).map(move |start| start..(start + size).min(rows))
-}
-
-/// The tiles of a thread's columns `cols`, runs of at most one panel, as `(first column, columns)`.
-fn tiles(panels: Panels, cols: Range<usize>) -> impl Iterator<Item = (usize, usize)> {
-    let mut col = cols.start;
-    std::iter::from_fn(move || {
-        if col >= cols.end {
-            return None;
-        }
-        let span = (panels.width(col / PANEL_WIDTH) - col % PANEL_WIDTH).min(cols.end - col);
-        col += span;
-        Some((col - span, span))
-    })
 }
 
 /// # Safety
 /// As [`Job::run`]; the CPU has AVX-512F and `in_features > 0`.
 #[target_feature(enable = "avx512f")]
-pub(super) unsafe fn run(job: &Job<'_>, cols: Range<usize>, out: *mut f32) {
-    for rows in slabs(job.rows) {
-        for (col, span) in tiles(job.panels, cols.clone()) {
-            let target = Target { ptr: out.add(col), stride: job.panels.out_features };
-            pass(job, Tile::new(job, col, span), span, rows.clone(), target);
-        }
-    }
+pub(super) unsafe fn run(job: &Job<'_>, tiles: &Tiles, out: *mut f32) {
+    tiles.claim_each(|rows, cols, then| {
+        let target = Target { ptr: out.add(cols.start), stride: job.panels.out_features };
+        pass(job, Tile::new(job, cols.clone(), then.as_ref()), cols.len(), rows, target);
+    });
 }
 
-/// [`super::gemm_silu_mul`]'s share of a thread: for each tile, the gate's and the up's products
-/// into two scratch tiles that stay in L2, then `silu(gate) * up` into `out` (`width` columns).
+/// [`super::gemm_silu_mul`]'s share of a thread: for each tile it claims, the gate's and the up's
+/// products into two scratch tiles that stay in L2, then `silu(gate) * up` into `out` (`width`
+/// columns).
 ///
 /// # Safety
 /// As [`run`], for both jobs, which have the same shape; `out` addresses `rows * width` elements.
 #[target_feature(enable = "avx512f")]
-pub(super) unsafe fn run_gated(gate: &Job<'_>, up: &Job<'_>, cols: Range<usize>, out: *mut f32) {
+pub(super) unsafe fn run_gated(gate: &Job<'_>, up: &Job<'_>, tiles: &Tiles, out: *mut f32) {
     let width = gate.panels.out_features;
-    let tile_len = gate.rows.min(ROW_SLAB) * PANEL_WIDTH;
+    let tile_len = tiles.slab * PANEL_WIDTH;
     let mut scratch = vec![0.0f32; 2 * tile_len];
     let (g, u) = scratch.split_at_mut(tile_len);
-    for rows in slabs(gate.rows) {
+    tiles.claim_each(|rows, cols, then| {
         // Row `r` of the slab lands at `(r - rows.start) * PANEL_WIDTH` of a scratch tile.
         let into = |buf: &mut [f32]| Target {
             ptr: buf.as_mut_ptr().wrapping_sub(rows.start * PANEL_WIDTH),
             stride: PANEL_WIDTH,
         };
-        for (col, span) in tiles(gate.panels, cols.clone()) {
-            let (tile_g, tile_u) = (Tile::new(gate, col, span), Tile::new(up, col, span));
-            // Each pass prefetches what comes after it: the up tile, then the gate's next panel.
-            pass(gate, Tile { next: tile_u.weight, ..tile_g }, span, rows.clone(), into(g));
-            pass(up, Tile { next: tile_g.next, ..tile_u }, span, rows.clone(), into(u));
-            for r in 0..rows.len() {
-                let at = r * PANEL_WIDTH;
-                let dst = std::slice::from_raw_parts_mut(out.add((rows.start + r) * width + col), span);
-                silu_mul(&g[at..at + span], &u[at..at + span], dst);
-            }
+        let (tile_g, tile_u) =
+            (Tile::new(gate, cols.clone(), then.as_ref()), Tile::new(up, cols.clone(), None));
+        // Each pass prefetches what comes after it: the up tile, then the gate's next tile.
+        let span = cols.len();
+        pass(gate, Tile { next: tile_u.weight, ..tile_g }, span, rows.clone(), into(g));
+        pass(up, Tile { next: tile_g.next, ..tile_u }, span, rows.clone(), into(u));
+        for r in 0..rows.len() {
+            let at = r * PANEL_WIDTH;
+            let dst = std::slice::from_raw_parts_mut(out.add((rows.start + r) * width + cols.start), span);
+            silu_mul(&g[at..at + span], &u[at..at + span], dst);
         }
-    }
+    });
 }
 
 /// One tile of `job` for `rows`, into `target`.
@@ -355,26 +328,6 @@ impl Step {
             _mm512_maskz_loadu_ps(self.mask, at)
         } else {
             _mm512_loadu_ps(at)
-        }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn slabs_are_as_few_and_as_even_as_whole_row_blocks_allow() {
-        for rows in [0, 1, 8, 255, 256, 257, 266, 300, 512, 513, 1000] {
-            let cut: Vec<_> = slabs(rows).collect();
-            assert_eq!(cut.len(), rows.div_ceil(ROW_SLAB), "{rows} rows");
-            assert_eq!(cut.iter().map(|s| s.len()).sum::<usize>(), rows, "{rows} rows");
-            assert!(cut.windows(2).all(|w| w[0].end == w[1].start), "{rows} rows");
-            assert!(cut.iter().all(|s| s.len() <= ROW_SLAB), "{rows} rows");
-            let (last, whole) = cut.split_last().map_or((0, &[][..]), |(l, w)| (l.len(), w));
-            assert!(whole.iter().all(|s| s.len().is_multiple_of(ROW_BLOCK)), "{rows} rows");
-            // The last is short by less than a row block per slab (the sizes round up to blocks).
-            assert!(whole.iter().all(|s| last + cut.len() * ROW_BLOCK > s.len()), "{rows} rows: {cut:?}");
         }
     }
 }
