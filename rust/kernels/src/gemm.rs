@@ -105,7 +105,9 @@ pub fn gemm(
     let panels = check_buffers(x, packed, bias, out.len(), shape, 1)?;
     let job = Job { x, packed, bias, panels };
     // SAFETY: each tile of `out`, whose length was checked, goes to one thread.
-    for_each_tile(panels, shape.rows, out, threads, |tiles, out| unsafe { job.run(tiles, out) });
+    for_each_tile(panels, shape.rows, out, threads, |tiles, thread, out| unsafe {
+        job.run(tiles, thread, out)
+    });
     Ok(())
 }
 
@@ -132,8 +134,8 @@ pub fn gemm_silu_mul(
     let gate = Job { x, packed: gate_w, bias: gate_b, panels };
     let up = Job { packed: up_w, bias: up_b, ..gate };
     // SAFETY: each tile of `out`, whose length was checked, goes to one thread.
-    for_each_tile(panels, shape.rows, out, threads, |tiles, out| unsafe {
-        run_gated(&gate, &up, tiles, out)
+    for_each_tile(panels, shape.rows, out, threads, |tiles, thread, out| unsafe {
+        run_gated(&gate, &up, tiles, thread, out)
     });
     Ok(())
 }
@@ -159,21 +161,22 @@ fn check_buffers(
     Ok(panels)
 }
 
-/// Runs `work(tiles, out)` on each thread of the OpenMP team, which takes tiles from `tiles`
-/// until none is left; nothing when `out` is empty.
+/// Runs `work(tiles, thread, out)` on each thread of the OpenMP team, which takes tiles from
+/// `tiles` until none is left; nothing when `out` is empty.
 fn for_each_tile(
     panels: Panels,
     rows: usize,
     out: &mut [f32],
     threads: usize,
-    work: impl Fn(&Tiles, *mut f32) + Sync,
+    work: impl Fn(&Tiles, usize, *mut f32) + Sync,
 ) {
     if out.is_empty() {
         return;
     }
-    let tiles = Tiles::new(panels, rows);
+    let team = threads.min(Tiles::count(panels, rows)).max(1);
+    let tiles = Tiles::new(panels, rows, team);
     let dst = openmp::SharedMut(out.as_mut_ptr());
-    openmp::parallel(threads.min(tiles.claims.len()), |_, _| work(&tiles, dst.get()));
+    openmp::parallel(team, |thread, _| work(&tiles, thread, dst.get()));
 }
 
 /// Rows per pass over the weight: a slab's accumulators for one panel (256 × 48 × 4 B = 48 KB)
@@ -204,9 +207,14 @@ struct Tiles {
 }
 
 impl Tiles {
-    fn new(panels: Panels, rows: usize) -> Self {
+    /// The tiles of `rows` rows of `panels`' columns, shared out over a team of `team`.
+    fn new(panels: Panels, rows: usize, team: usize) -> Self {
         let (slab, across) = (slab_len(rows), panels.padded.div_ceil(PANEL_WIDTH));
-        Tiles { panels, rows, slab, across, claims: openmp::Claims::new(rows.div_ceil(slab) * across) }
+        Tiles { panels, rows, slab, across, claims: openmp::Claims::new(Self::count(panels, rows), team) }
+    }
+
+    fn count(panels: Panels, rows: usize) -> usize {
+        rows.div_ceil(slab_len(rows)) * panels.padded.div_ceil(PANEL_WIDTH)
     }
 
     /// Tile `i`'s rows and columns.
@@ -216,12 +224,12 @@ impl Tiles {
         (rows, panel * PANEL_WIDTH..((panel + 1) * PANEL_WIDTH).min(self.panels.out_features))
     }
 
-    /// Runs `f(rows, cols, then)` on every tile this thread claims, `then` being the columns of
-    /// its next claim: a claim ahead, so a pass can prefetch the weight the thread reads next.
-    fn claim_each(&self, mut f: impl FnMut(Range<usize>, Range<usize>, Option<Range<usize>>)) {
-        let mut claim = self.claims.take().map(|i| self.tile(i));
+    /// Runs `f(rows, cols, then)` on every tile thread `thread` claims, `then` being the columns
+    /// of its next claim: a claim ahead, so a pass can prefetch the weight the thread reads next.
+    fn claim_each(&self, thread: usize, mut f: impl FnMut(Range<usize>, Range<usize>, Option<Range<usize>>)) {
+        let mut claim = self.claims.take(thread).map(|i| self.tile(i));
         while let Some((rows, cols)) = claim {
-            claim = self.claims.take().map(|i| self.tile(i));
+            claim = self.claims.take(thread).map(|i| self.tile(i));
             f(rows, cols, claim.as_ref().map(|(_, then)| then.clone()));
         }
     }
@@ -229,12 +237,12 @@ impl Tiles {
 
 /// # Safety
 /// As [`Job::run`], for both jobs.
-unsafe fn run_gated(gate: &Job<'_>, up: &Job<'_>, tiles: &Tiles, out: *mut f32) {
+unsafe fn run_gated(gate: &Job<'_>, up: &Job<'_>, tiles: &Tiles, thread: usize, out: *mut f32) {
     #[cfg(target_arch = "x86_64")]
     if avx512::available() && gate.panels.in_features > 0 {
-        return avx512::run_gated(gate, up, tiles, out);
+        return avx512::run_gated(gate, up, tiles, thread, out);
     }
-    tiles.claim_each(|rows, cols, _| run_gated_portable(gate, up, rows, cols, out));
+    tiles.claim_each(thread, |rows, cols, _| run_gated_portable(gate, up, rows, cols, out));
 }
 
 /// The reference loop: both products of a tile, then the activation.
@@ -265,17 +273,17 @@ struct Job<'a> {
 }
 
 impl Job<'_> {
-    /// The tiles this thread claims from `tiles`.
+    /// The tiles thread `thread` claims from `tiles`.
     ///
     /// # Safety
     /// `out` must address `rows * out_features` elements, of which no other thread writes the
     /// tiles this one claims.
-    unsafe fn run(&self, tiles: &Tiles, out: *mut f32) {
+    unsafe fn run(&self, tiles: &Tiles, thread: usize, out: *mut f32) {
         #[cfg(target_arch = "x86_64")]
         if avx512::available() && self.panels.in_features > 0 {
-            return avx512::run(self, tiles, out);
+            return avx512::run(self, tiles, thread, out);
         }
-        tiles.claim_each(|rows, cols, _| self.run_portable(rows, cols, out));
+        tiles.claim_each(thread, |rows, cols, _| self.run_portable(rows, cols, out));
     }
 
     /// The reference loop, for CPUs without AVX-512 (and the tests' yardstick).
@@ -339,10 +347,10 @@ mod tests {
     #[test]
     fn the_tiles_cover_every_output_once_slab_after_slab() {
         for (rows, n) in [(1, 17), (3, 48), (8, 49), (266, 100), (600, 1153)] {
-            let tiles = Tiles::new(Panels::new(n, 4), rows);
+            let tiles = Tiles::new(Panels::new(n, 4), rows, 1);
             let mut seen = vec![0u8; rows * n];
             let mut last_slab = 0;
-            tiles.claim_each(|rows, cols, then| {
+            tiles.claim_each(0, |rows, cols, then| {
                 assert!(rows.start >= last_slab, "slab {rows:?} after {last_slab}");
                 last_slab = rows.start;
                 assert!(cols.start % PANEL_WIDTH == 0 && cols.len() <= PANEL_WIDTH && !cols.is_empty());

@@ -78,26 +78,26 @@ impl Tile {
 /// # Safety
 /// As [`Job::run`]; the CPU has AVX-512F and `in_features > 0`.
 #[target_feature(enable = "avx512f")]
-pub(super) unsafe fn run(job: &Job<'_>, tiles: &Tiles, out: *mut f32) {
-    tiles.claim_each(|rows, cols, then| {
+pub(super) unsafe fn run(job: &Job<'_>, tiles: &Tiles, thread: usize, out: *mut f32) {
+    tiles.claim_each(thread, |rows, cols, then| {
         let target = Target { ptr: out.add(cols.start), stride: job.panels.out_features };
         pass(job, Tile::new(job, cols.clone(), then.as_ref()), cols.len(), rows, target);
     });
 }
 
-/// [`super::gemm_silu_mul`]'s share of a thread: for each tile it claims, the gate's and the up's
+/// [`super::gemm_silu_mul`]'s share of thread `thread`: for each tile it claims, the gate's and the up's
 /// products into two scratch tiles that stay in L2, then `silu(gate) * up` into `out` (`width`
 /// columns).
 ///
 /// # Safety
 /// As [`run`], for both jobs, which have the same shape; `out` addresses `rows * width` elements.
 #[target_feature(enable = "avx512f")]
-pub(super) unsafe fn run_gated(gate: &Job<'_>, up: &Job<'_>, tiles: &Tiles, out: *mut f32) {
+pub(super) unsafe fn run_gated(gate: &Job<'_>, up: &Job<'_>, tiles: &Tiles, thread: usize, out: *mut f32) {
     let width = gate.panels.out_features;
     let tile_len = tiles.slab * PANEL_WIDTH;
     let mut scratch = vec![0.0f32; 2 * tile_len];
     let (g, u) = scratch.split_at_mut(tile_len);
-    tiles.claim_each(|rows, cols, then| {
+    tiles.claim_each(thread, |rows, cols, then| {
         // Row `r` of the slab lands at `(r - rows.start) * PANEL_WIDTH` of a scratch tile.
         let into = |buf: &mut [f32]| Target {
             ptr: buf.as_mut_ptr().wrapping_sub(rows.start * PANEL_WIDTH),
