@@ -164,10 +164,13 @@ fn run(
     let (weights, sums) = packed.split_at(tiles * TILE * kp);
     let job = Job { acts: &acts, weights, sums, weight_scale, bias, shape, kernel };
     let dst = openmp::SharedMut(out.as_mut_ptr());
-    openmp::parallel(threads.min(tiles).max(1), |thread, team| {
-        for tile in openmp::share(tiles, thread, team) {
-            // SAFETY: each thread writes only its tiles' columns of `out`, which holds
-            // `rows * out_features` elements and outlives `parallel`.
+    // Claimed rather than split in fixed shares: a thread slowed from outside takes fewer tiles.
+    let team = threads.min(tiles).max(1);
+    let claims = openmp::Claims::new(tiles, team);
+    openmp::parallel(team, |thread, _| {
+        while let Some(tile) = claims.take(thread) {
+            // SAFETY: each tile goes to one thread, which alone writes its columns of `out`;
+            // `out` holds `rows * out_features` elements and outlives `parallel`.
             unsafe { job.tile(tile, dst.get()) };
         }
     });
