@@ -85,9 +85,9 @@ pub(super) unsafe fn run(job: &Job<'_>, tiles: &Tiles, thread: usize, out: *mut 
     });
 }
 
-/// [`super::gemm_silu_mul`]'s share of thread `thread`: for each tile it claims, the gate's and the up's
-/// products into two scratch tiles that stay in L2, then `silu(gate) * up` into `out` (`width`
-/// columns).
+/// [`super::gemm_silu_mul`]'s share of thread `thread`: for each tile it claims, the gate's and
+/// the up's products into two scratch tiles that stay in L2, then `silu(gate) * up` into `out`
+/// (`width` columns).
 ///
 /// # Safety
 /// As [`run`], for both jobs, which have the same shape; `out` addresses `rows * width` elements.
