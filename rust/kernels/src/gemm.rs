@@ -173,10 +173,9 @@ fn for_each_tile(
     if out.is_empty() {
         return;
     }
-    let team = threads.min(Tiles::count(panels, rows)).max(1);
-    let tiles = Tiles::new(panels, rows, team);
+    let tiles = Tiles::new(panels, rows, threads);
     let dst = openmp::SharedMut(out.as_mut_ptr());
-    openmp::parallel(team, |thread, _| work(&tiles, thread, dst.get()));
+    openmp::parallel(tiles.team, |thread, _| work(&tiles, thread, dst.get()));
 }
 
 /// Rows per pass over the weight: a slab's accumulators for one panel (256 × 48 × 4 B = 48 KB)
@@ -203,18 +202,18 @@ struct Tiles {
     slab: usize,
     /// Panels of the output: tiles per slab.
     across: usize,
+    /// Threads to run them: `threads`, but never more than tiles.
+    team: usize,
     claims: openmp::Claims,
 }
 
 impl Tiles {
-    /// The tiles of `rows` rows of `panels`' columns, shared out over a team of `team`.
-    fn new(panels: Panels, rows: usize, team: usize) -> Self {
+    /// The tiles of `rows` rows of `panels`' columns, shared out over up to `threads` threads.
+    fn new(panels: Panels, rows: usize, threads: usize) -> Self {
         let (slab, across) = (slab_len(rows), panels.padded.div_ceil(PANEL_WIDTH));
-        Tiles { panels, rows, slab, across, claims: openmp::Claims::new(Self::count(panels, rows), team) }
-    }
-
-    fn count(panels: Panels, rows: usize) -> usize {
-        rows.div_ceil(slab_len(rows)) * panels.padded.div_ceil(PANEL_WIDTH)
+        let count = rows.div_ceil(slab) * across;
+        let team = threads.min(count).max(1);
+        Tiles { panels, rows, slab, across, team, claims: openmp::Claims::new(count, team) }
     }
 
     /// Tile `i`'s rows and columns.

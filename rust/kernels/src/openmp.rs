@@ -252,8 +252,8 @@ impl<T> SharedMut<T> {
 /// for reasons outside the process: a hyperthread sibling busy with another guest, a vCPU the
 /// hypervisor took away. On the loaded 2-core development VM, the two threads of a 128-row fp32
 /// GEMM over fixed column shares finished 11% of its time apart, on average, and the GEMM ran at
-/// 0.86 of oneDNN's speed; taking its tiles this way, at 0.94-1.07 (alternating rounds of 8
-/// Qwen2-0.5B layers). A thread's own share keeps its weight stream whole until it runs out.
+/// 0.86 of oneDNN's speed; taking its tiles this way, at 0.96-1.00 (0.99 at 266 rows; alternating
+/// rounds of 8 Qwen2-0.5B layers). A thread's own share keeps its weight stream whole until it runs out.
 /// Only for units whose results do not depend on which thread computes them.
 ///
 /// Not every product gains: the GGUF block products of a SmolLM2-135M decode step (50 µs each)
@@ -286,8 +286,12 @@ impl Claims {
             }
         }
         loop {
-            let fullest = self.shares.iter().max_by_key(|s| unpack(s.0.load(Ordering::Relaxed)).len())?;
-            if unpack(fullest.0.load(Ordering::Relaxed)).is_empty() {
+            let (fullest, left) = self
+                .shares
+                .iter()
+                .map(|s| (s, unpack(s.0.load(Ordering::Relaxed)).len()))
+                .max_by_key(|&(_, n)| n)?;
+            if left == 0 {
                 return None;
             }
             if let Some(unit) = take_from(&fullest.0, |r| (r.end - 1, r.start..r.end - 1)) {
