@@ -158,20 +158,22 @@ fn run(
 ) {
     let W8a8Shape { rows, out_features, in_features } = shape;
     let W8a8Weight { packed, weight_scale } = weight;
-    let acts = Activations::quantize(x, rows, in_features, act, kernel);
+    let acts = Activations::quantize(x, rows, in_features, act, kernel, threads);
     let tiles = out_features.div_ceil(TILE);
     let kp = k_padded(in_features);
     let (weights, sums) = packed.split_at(tiles * TILE * kp);
     let job = Job { acts: &acts, weights, sums, weight_scale, bias, shape, kernel };
     let dst = openmp::SharedMut(out.as_mut_ptr());
     // Claimed rather than split in fixed shares: a thread slowed from outside takes fewer tiles.
-    let team = threads.min(tiles).max(1);
-    let claims = openmp::Claims::new(tiles, team);
+    // A claim is a pair of tiles, which the AVX-512 kernel multiplies together.
+    let pairs = tiles.div_ceil(2);
+    let team = threads.min(pairs).max(1);
+    let claims = openmp::Claims::new(pairs, team);
     openmp::parallel(team, |thread, _| {
-        while let Some(tile) = claims.take(thread) {
-            // SAFETY: each tile goes to one thread, which alone writes its columns of `out`;
+        while let Some(pair) = claims.take(thread) {
+            // SAFETY: each pair goes to one thread, which alone writes its columns of `out`;
             // `out` holds `rows * out_features` elements and outlives `parallel`.
-            unsafe { job.tile(tile, dst.get()) };
+            unsafe { job.tiles(2 * pair..tiles.min(2 * pair + 2), dst.get()) };
         }
     });
 }
@@ -220,40 +222,74 @@ struct Activations {
 }
 
 impl Activations {
-    fn quantize(x: &[f32], rows: usize, k: usize, act: ActQuant, kernel: Kernel) -> Self {
+    /// Quantizes `x`'s rows, split over the team: a prompt's rows (thousands) took as long as
+    /// the products of a narrow projection on one thread.
+    fn quantize(x: &[f32], rows: usize, k: usize, act: ActQuant, kernel: Kernel, threads: usize) -> Self {
         let kp = k_padded(k);
         let zp = match act {
             ActQuant::Dynamic => 0,
             ActQuant::Static { zero_point, .. } => zero_point,
         };
-        let mut q = vec![0i32; k];
         let mut acts =
             Activations { bytes: Vec::new(), wide: Vec::new(), scales: vec![0.0; rows], offset: 0, kp };
+        let scale_of = |row: &[f32]| match act {
+            ActQuant::Dynamic => max_abs(row) / 127.0,
+            ActQuant::Static { scale, .. } => scale,
+        };
         if kernel.unsigned() {
             acts.bytes = vec![0; rows * kp];
             acts.offset = 128 + zp;
+            let (bytes, scales) = (&mut acts.bytes, &mut acts.scales);
+            openmp::for_each_share_pair(bytes, scales, kp, 1, MIN_QUANTIZE_ROWS, threads, |units, bytes, scales| {
+                let mut q = vec![0i32; k];
+                for ((r, out), scale) in units.zip(bytes.chunks_exact_mut(kp)).zip(scales) {
+                    let row = &x[r * k..(r + 1) * k];
+                    *scale = scale_of(row);
+                    quantize_row_u8(row, *scale, zp, &mut q, &mut out[..k]);
+                }
+            });
         } else {
             acts.wide = vec![0; rows * kp];
-        }
-        for r in 0..rows {
-            let row = &x[r * k..(r + 1) * k];
-            let scale = match act {
-                ActQuant::Dynamic => row.iter().fold(0.0f32, |m, v| m.max(v.abs())) / 127.0,
-                ActQuant::Static { scale, .. } => scale,
-            };
-            acts.scales[r] = scale;
-            quantize_row(row, scale, zp, &mut q);
-            if kernel.unsigned() {
-                for (b, v) in acts.bytes[r * kp..r * kp + k].iter_mut().zip(&q) {
-                    *b = (v + 128) as u8;
+            let (wide, scales) = (&mut acts.wide, &mut acts.scales);
+            openmp::for_each_share_pair(wide, scales, kp, 1, MIN_QUANTIZE_ROWS, threads, |units, wide, scales| {
+                let mut q = vec![0i32; k];
+                for ((r, out), scale) in units.zip(wide.chunks_exact_mut(kp)).zip(scales) {
+                    let row = &x[r * k..(r + 1) * k];
+                    *scale = scale_of(row);
+                    quantize_row(row, *scale, zp, &mut q);
+                    for (w, v) in out[..k].iter_mut().zip(&q) {
+                        *w = (v - zp) as i16;
+                    }
                 }
-            } else {
-                for (w, v) in acts.wide[r * kp..r * kp + k].iter_mut().zip(&q) {
-                    *w = (v - zp) as i16;
-                }
-            }
+            });
         }
         acts
+    }
+}
+
+/// Fewer rows per thread than this are quantized on the calling thread alone.
+const MIN_QUANTIZE_ROWS: usize = 8;
+
+/// `max |row|`, NaN ignored (as `f32::max` does).
+fn max_abs(row: &[f32]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if crate::simd::has_avx512f() {
+        // SAFETY: the CPU has AVX512F.
+        return unsafe { x86::max_abs(row) };
+    }
+    row.iter().fold(0.0f32, |m, v| m.max(v.abs()))
+}
+
+/// [`quantize_row`] as the unsigned bytes `q + 128` the VNNI kernels take; `q` is scratch.
+fn quantize_row_u8(row: &[f32], scale: f32, zp: i32, q: &mut [i32], out: &mut [u8]) {
+    #[cfg(target_arch = "x86_64")]
+    if crate::simd::has_avx512f() && scale > 0.0 {
+        // SAFETY: the CPU has AVX512F; `out` is as long as `row`.
+        return unsafe { x86::quantize_row_u8(row, scale, zp, out) };
+    }
+    quantize_row(row, scale, zp, q);
+    for (b, v) in out.iter_mut().zip(q.iter()) {
+        *b = (v + 128) as u8;
     }
 }
 
@@ -285,21 +321,34 @@ struct Job<'a> {
 
 /// Rows of activations per micro-kernel call.
 const ROW_BLOCK: usize = 3;
+/// Output features of the AVX-512 two-tile kernel, and its most rows per call.
+const PAIR: usize = 2 * TILE;
+const PAIR_ROWS: usize = 6;
 
 impl Job<'_> {
+    /// Every row's outputs for the features of `tiles` (one or two consecutive tiles).
+    ///
+    /// # Safety
+    /// `out` addresses `rows * out_features` elements, of which no other thread writes these
+    /// tiles' columns.
+    unsafe fn tiles(&self, tiles: std::ops::Range<usize>, out: *mut f32) {
+        #[cfg(target_arch = "x86_64")]
+        if self.kernel == Kernel::Avx512Vnni && tiles.len() == 2 && self.shape.rows > ROW_BLOCK {
+            return self.pair(tiles.start, out);
+        }
+        for tile in tiles {
+            self.tile(tile, out);
+        }
+    }
+
     /// Every row's outputs for tile `tile`'s features.
     ///
     /// # Safety
-    /// `out` addresses `rows * out_features` elements, of which no other thread writes this
-    /// tile's columns.
+    /// As [`Job::tiles`].
     unsafe fn tile(&self, tile: usize, out: *mut f32) {
         let kp = self.acts.kp;
         let weights = &self.weights[tile * TILE * kp..(tile + 1) * TILE * kp];
-        let mut sums = [0i32; TILE];
-        for (i, s) in sums.iter_mut().enumerate() {
-            let at = 4 * (tile * TILE + i);
-            *s = i32::from_le_bytes(self.sums[at..at + 4].try_into().expect("four bytes"));
-        }
+        let sums = self.weight_sums(tile);
         for r0 in (0..self.shape.rows).step_by(ROW_BLOCK) {
             let rows = ROW_BLOCK.min(self.shape.rows - r0);
             let mut acc = [[0i32; TILE]; ROW_BLOCK];
@@ -308,6 +357,43 @@ impl Job<'_> {
                 self.write_row(r0 + r, tile, acc, &sums, out);
             }
         }
+    }
+
+    /// [`Job::tile`] for tiles `first` and `first + 1` at once, [`PAIR_ROWS`] rows per call of
+    /// the AVX-512 VNNI two-tile kernel.
+    ///
+    /// # Safety
+    /// As [`Job::tiles`]; the CPU has AVX512-VNNI.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn pair(&self, first: usize, out: *mut f32) {
+        let kp = self.acts.kp;
+        let W8a8Shape { rows, out_features, .. } = self.shape;
+        let weights = &self.weights[first * TILE * kp..(first + 2) * TILE * kp];
+        let tile_out = |tile: usize| {
+            let features = (tile * TILE).min(out_features)..((tile + 1) * TILE).min(out_features);
+            let bias = self.bias.map(|b| &b[features.clone()]);
+            x86::TileOut { sums: self.weight_sums(tile), scale: &self.weight_scale[features], bias }
+        };
+        let tiles = [tile_out(first), tile_out(first + 1)];
+        let mut o = x86::PairOut { tiles, offset: self.acts.offset, s_x: &[], out, stride: out_features };
+        for r0 in (0..rows).step_by(PAIR_ROWS) {
+            let block = PAIR_ROWS.min(rows - r0);
+            let mut acc = [[0i32; PAIR]; PAIR_ROWS];
+            x86::vnni512_pair(&self.acts.bytes[r0 * kp..], kp, weights, block, &mut acc);
+            o.s_x = &self.acts.scales[r0..r0 + block];
+            o.out = out.add(r0 * out_features + first * TILE);
+            x86::scale_pair_rows(&acc, &o);
+        }
+    }
+
+    /// Each of tile `tile`'s features' `Σ_k qw`.
+    fn weight_sums(&self, tile: usize) -> [i32; TILE] {
+        let mut sums = [0i32; TILE];
+        for (i, s) in sums.iter_mut().enumerate() {
+            let at = 4 * (tile * TILE + i);
+            *s = i32::from_le_bytes(self.sums[at..at + 4].try_into().expect("four bytes"));
+        }
+        sums
     }
 
     /// `acc[r][i] = Σ_k a[r0 + r, k] · qw[tile feature i, k]` in the kernel's activation form.
@@ -422,7 +508,7 @@ mod tests {
 
     #[test]
     fn every_kernel_matches_the_definition() {
-        let shapes = [(1, 37, 64), (2, 16, 5), (3, 33, 100), (7, 17, 256), (33, 40, 31)];
+        let shapes = [(1, 37, 64), (2, 16, 5), (3, 33, 100), (7, 17, 256), (33, 40, 31), (13, 64, 96)];
         let acts = [
             ActQuant::Dynamic,
             ActQuant::Static { scale: 0.004, zero_point: 3 },
@@ -478,3 +564,4 @@ mod tests {
         assert!(err.contains("`input_zero_point` must be between -128 and 127. Given: 200"), "{err}");
     }
 }
+
