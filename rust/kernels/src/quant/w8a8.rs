@@ -20,9 +20,11 @@
 //!   loaded, and `vpmaddwd` multiplies: exact for every input, 16 products per instruction;
 //! - a portable loop in i32.
 //!
-//! Costs: one pass over `x` to quantize it (rows × in bytes, twice that for AVX2), then the
-//! weight is read once per call; a thread takes whole tiles and runs every row block over each
-//! tile while the tile (16 × in bytes) stays in L2.
+//! Costs: one pass over `x` to quantize it (rows × in bytes, twice that for AVX2; the rows split
+//! over the team), then the weight is read once per call; a thread claims pairs of tiles and
+//! runs every row block over each pair while it (32 × in bytes) stays in L2. With AVX512-VNNI
+//! and more than three rows a pair is one register tile of 6 rows × 32 features; otherwise each
+//! tile goes alone, 3 rows at a time.
 
 #[cfg(target_arch = "x86_64")]
 mod x86;
