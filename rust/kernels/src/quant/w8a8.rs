@@ -167,15 +167,18 @@ fn run(
     let job = Job { acts: &acts, weights, sums, weight_scale, bias, shape, kernel };
     let dst = openmp::SharedMut(out.as_mut_ptr());
     // Claimed rather than split in fixed shares: a thread slowed from outside takes fewer tiles.
-    // A claim is a pair of tiles, which the AVX-512 kernel multiplies together.
-    let pairs = tiles.div_ceil(2);
-    let team = threads.min(pairs).max(1);
-    let claims = openmp::Claims::new(pairs, team);
+    // A claim is the tiles one kernel call multiplies: a pair for the AVX-512 two-tile kernel,
+    // else one (a decode step's threads then finish at most a tile apart).
+    let per_claim = if job.pairs() { 2 } else { 1 };
+    let units = tiles.div_ceil(per_claim);
+    let team = threads.min(units).max(1);
+    let claims = openmp::Claims::new(units, team);
     openmp::parallel(team, |thread, _| {
-        while let Some(pair) = claims.take(thread) {
-            // SAFETY: each pair goes to one thread, which alone writes its columns of `out`;
+        while let Some(unit) = claims.take(thread) {
+            let first = unit * per_claim;
+            // SAFETY: each unit goes to one thread, which alone writes its columns of `out`;
             // `out` holds `rows * out_features` elements and outlives `parallel`.
-            unsafe { job.tiles(2 * pair..tiles.min(2 * pair + 2), dst.get()) };
+            unsafe { job.tiles(first..tiles.min(first + per_claim), dst.get()) };
         }
     });
 }
@@ -335,12 +338,18 @@ impl Job<'_> {
     /// tiles' columns.
     unsafe fn tiles(&self, tiles: std::ops::Range<usize>, out: *mut f32) {
         #[cfg(target_arch = "x86_64")]
-        if self.kernel == Kernel::Avx512Vnni && tiles.len() == 2 && self.shape.rows > ROW_BLOCK {
+        if self.pairs() && tiles.len() == 2 {
             return self.pair(tiles.start, out);
         }
         for tile in tiles {
             self.tile(tile, out);
         }
+    }
+
+    /// Whether tiles go in pairs through the AVX-512 two-tile kernel: with AVX512-VNNI and more
+    /// rows than one call of the one-tile kernel takes.
+    fn pairs(&self) -> bool {
+        self.kernel == Kernel::Avx512Vnni && self.shape.rows > ROW_BLOCK
     }
 
     /// Every row's outputs for tile `tile`'s features.
