@@ -241,31 +241,27 @@ impl Activations {
             ActQuant::Dynamic => max_abs(row) / 127.0,
             ActQuant::Static { scale, .. } => scale,
         };
+        let row_and_scale = |r: usize| {
+            let row = &x[r * k..(r + 1) * k];
+            (row, scale_of(row))
+        };
         if kernel.unsigned() {
             acts.bytes = vec![0; rows * kp];
             acts.offset = 128 + zp;
-            let (bytes, scales) = (&mut acts.bytes, &mut acts.scales);
-            openmp::for_each_share_pair(bytes, scales, kp, 1, MIN_QUANTIZE_ROWS, threads, |units, bytes, scales| {
-                let mut q = vec![0i32; k];
-                for ((r, out), scale) in units.zip(bytes.chunks_exact_mut(kp)).zip(scales) {
-                    let row = &x[r * k..(r + 1) * k];
-                    *scale = scale_of(row);
-                    quantize_row_u8(row, *scale, zp, &mut q, &mut out[..k]);
-                }
+            each_row(&mut acts.bytes, &mut acts.scales, (k, kp), threads, |r, q, out| {
+                let (row, scale) = row_and_scale(r);
+                quantize_row_u8(row, scale, zp, q, &mut out[..k]);
+                scale
             });
         } else {
             acts.wide = vec![0; rows * kp];
-            let (wide, scales) = (&mut acts.wide, &mut acts.scales);
-            openmp::for_each_share_pair(wide, scales, kp, 1, MIN_QUANTIZE_ROWS, threads, |units, wide, scales| {
-                let mut q = vec![0i32; k];
-                for ((r, out), scale) in units.zip(wide.chunks_exact_mut(kp)).zip(scales) {
-                    let row = &x[r * k..(r + 1) * k];
-                    *scale = scale_of(row);
-                    quantize_row(row, *scale, zp, &mut q);
-                    for (w, v) in out[..k].iter_mut().zip(&q) {
-                        *w = (v - zp) as i16;
-                    }
+            each_row(&mut acts.wide, &mut acts.scales, (k, kp), threads, |r, q, out| {
+                let (row, scale) = row_and_scale(r);
+                quantize_row(row, scale, zp, q);
+                for (w, v) in out[..k].iter_mut().zip(q.iter()) {
+                    *w = (v - zp) as i16;
                 }
+                scale
             });
         }
         acts
@@ -274,6 +270,24 @@ impl Activations {
 
 /// Fewer rows per thread than this are quantized on the calling thread alone.
 const MIN_QUANTIZE_ROWS: usize = 8;
+
+/// Calls `put(r, scratch, out_row)` for every row `r` of `out` (rows of `kp`; `(k, kp)` the row's
+/// values and its padded width), each thread for its share of the rows with a scratch of `k`
+/// integers; `put` returns the row's scale, which goes to `scales[r]`.
+fn each_row<E: Send>(
+    out: &mut [E],
+    scales: &mut [f32],
+    (k, kp): (usize, usize),
+    threads: usize,
+    put: impl Fn(usize, &mut [i32], &mut [E]) -> f32 + Sync,
+) {
+    openmp::for_each_share_pair(out, scales, kp, 1, MIN_QUANTIZE_ROWS, threads, |units, out, scales| {
+        let mut q = vec![0i32; k];
+        for ((r, out), scale) in units.zip(out.chunks_exact_mut(kp)).zip(scales) {
+            *scale = put(r, &mut q, out);
+        }
+    });
+}
 
 /// `max |row|`, NaN ignored (as `f32::max` does).
 fn max_abs(row: &[f32]) -> f32 {
@@ -575,4 +589,3 @@ mod tests {
         assert!(err.contains("`input_zero_point` must be between -128 and 127. Given: 200"), "{err}");
     }
 }
-

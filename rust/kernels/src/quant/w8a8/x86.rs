@@ -174,7 +174,8 @@ pub(super) unsafe fn scale_pair_rows(acc: &[[i32; PAIR]; PAIR_ROWS], o: &PairOut
             continue;
         }
         let mask: __mmask16 = if len >= TILE { !0 } else { (1u16 << len) - 1 };
-        let taken = _mm512_mullo_epi32(_mm512_set1_epi32(o.offset), _mm512_loadu_si512(tile.sums.as_ptr().cast()));
+        let taken =
+            _mm512_mullo_epi32(_mm512_set1_epi32(o.offset), _mm512_loadu_si512(tile.sums.as_ptr().cast()));
         let scale = _mm512_maskz_loadu_ps(mask, tile.scale.as_ptr());
         let bias = tile.bias.map_or(_mm512_setzero_ps(), |b| _mm512_maskz_loadu_ps(mask, b.as_ptr()));
         for (r, (acc, &s_x)) in acc.iter().zip(o.s_x).enumerate() {
@@ -336,8 +337,10 @@ pub(super) unsafe fn quantize_row_u8(row: &[f32], scale: f32, zp: i32, out: &mut
     let (min, max, half) = (_mm512_set1_epi32(-128), _mm512_set1_epi32(127), _mm512_set1_epi32(128));
     let whole = row.len() / 16 * 16;
     for i in (0..whole).step_by(16) {
-        let v = _mm512_min_ps(_mm512_max_ps(_mm512_div_ps(_mm512_loadu_ps(row.as_ptr().add(i)), s), low), high);
-        let q = _mm512_min_epi32(_mm512_max_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(v), zero_point), min), max);
+        let v =
+            _mm512_min_ps(_mm512_max_ps(_mm512_div_ps(_mm512_loadu_ps(row.as_ptr().add(i)), s), low), high);
+        let q =
+            _mm512_min_epi32(_mm512_max_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(v), zero_point), min), max);
         _mm_storeu_si128(out.as_mut_ptr().add(i).cast(), _mm512_cvtepi32_epi8(_mm512_add_epi32(q, half)));
     }
     for (b, v) in out[whole..].iter_mut().zip(&row[whole..]) {
