@@ -561,6 +561,29 @@ mod tests {
     }
 
     #[test]
+    fn the_vector_quantization_matches_the_scalar_one() {
+        // Values on and between rounding ties (k + 0.5 steps of the scale), past the clamps, a
+        // NaN, and rows whose length leaves a tail after the 16-lane loop.
+        let scale = 0.25;
+        let mut row: Vec<f32> = (0..70).map(|i| (i as f32 - 35.0) * 0.125).collect();
+        row.extend([40.0, -40.0, 1e6, -1e6, f32::NAN, 0.0, -0.0]);
+        row[3] = f32::NAN; // in the vector loops' part too
+        for len in [5, 16, 33, row.len()] {
+            let row = &row[..len];
+            let plain = row.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+            assert_eq!(max_abs(row).to_bits(), plain.to_bits(), "max_abs of {len}");
+            for zp in [0, 3, -128, 127] {
+                let mut q = vec![0i32; len];
+                quantize_row(row, scale, zp, &mut q);
+                let want: Vec<u8> = q.iter().map(|v| (v + 128) as u8).collect();
+                let mut got = vec![0u8; len];
+                quantize_row_u8(row, scale, zp, &mut vec![0i32; len], &mut got);
+                assert_eq!(got, want, "{len} values, zero point {zp}");
+            }
+        }
+    }
+
+    #[test]
     fn packs_quads_of_sixteen_features_then_their_sums() {
         let (n, k) = (17, 6);
         let qw: Vec<i8> = (0..n * k).map(|i| (i % 200) as i8).collect();
