@@ -401,6 +401,9 @@ impl Job<'_> {
         };
         let tiles = [tile_out(first), tile_out(first + 1)];
         let mut o = x86::PairOut { tiles, offset: self.acts.offset, s_x: &[], out, stride: out_features };
+        // SAFETY (the calls below): the caller's CPU has AVX512-VNNI (so AVX512F); the rows
+        // `r0..r0 + block` hold `kp` bytes each, `weights` two tiles, and `o.out` this block's
+        // rows of the pair's columns, which only this thread writes.
         for r0 in (0..rows).step_by(PAIR_ROWS) {
             let block = PAIR_ROWS.min(rows - r0);
             let mut acc = [[0i32; PAIR]; PAIR_ROWS];
