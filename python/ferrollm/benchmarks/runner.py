@@ -15,18 +15,26 @@ import numpy as np
 from ferrollm.benchmarks.workloads import BenchRequest, random_requests
 
 
+# Engine options the benchmarks do not take: the peak RSS they report is this process's, and
+# tensor or pipeline parallel ranks would run in others.
+_NOT_BENCHED = frozenset({"tensor_parallel_size", "pipeline_parallel_size", "distributed_executor_backend"})
+# Engine options the benchmarks define themselves, with their own defaults.
+_BENCH_DEFAULTS = frozenset({"model", "enable_prefix_caching", "seed"})
+
+
 def add_common_args(p: argparse.ArgumentParser) -> None:
+    """The workload's flags, and every engine option ferrollm implements (`--quantization`,
+    `--kv-cache-dtype`, `--hf-overrides`, ...) under vLLM's names, as `vllm bench` takes them."""
+    from ferrollm.entrypoints.openai.cli_args import add_engine_args
+
     p.add_argument("--model", required=True)
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--random-range-ratio", type=float, default=0.0)
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=None)
-    p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=False)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output-json", default=None)
+    add_engine_args(p, skip=_NOT_BENCHED | _BENCH_DEFAULTS)
 
 
 def peak_rss_mib() -> float:
@@ -47,10 +55,11 @@ def peak_rss_mib() -> float:
 def _make_llm(args):
     from ferrollm import LLM
 
+    from ferrollm.entrypoints.openai.cli_args import given_engine_args
+
     start = time.perf_counter()
-    llm = LLM(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
-              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              enable_prefix_caching=args.enable_prefix_caching, seed=args.seed)
+    own = {"model": args.model, "enable_prefix_caching": args.enable_prefix_caching, "seed": args.seed}
+    llm = LLM(**{**given_engine_args(args), **own})
     return llm, time.perf_counter() - start
 
 

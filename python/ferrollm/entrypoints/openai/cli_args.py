@@ -49,25 +49,38 @@ def add_serve_parser(sub: Any) -> argparse.ArgumentParser:
                         "model's placeholder per image (string), or the list of parts (openai)")
     p.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
+    add_engine_args(p)
+    p.set_defaults(func=_serve)
+    return p
+
+
+def add_engine_args(p: argparse.ArgumentParser, skip: frozenset[str] = frozenset()) -> None:
+    """One flag per engine option ferrollm implements (vLLM's names; unset, each is None so
+    `EngineArgs` keeps its default), but those named in ``skip``, which the caller defines."""
+    from ferrollm.engine.arg_utils import EngineArgs
+
     annotations = {f.name: str(f.type) for f in dataclasses.fields(EngineArgs)}
     works = {a.name: a.default for a in ENGINE_ARGS if a.works is not None}
     engine = p.add_argument_group("engine options (vLLM's EngineArgs; see `LLM`)")
     for name, annotation in annotations.items():
-        if name in works:
+        if name in works and name not in skip:
             engine.add_argument("--" + name.replace("_", "-"), dest=name, default=None,
                                 **_flag_type(annotation, works[name]))
-    p.set_defaults(func=_serve)
-    return p
+
+
+def given_engine_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine options whose flags were given, by `EngineArgs` field name."""
+    from ferrollm.engine.arg_utils import EngineArgs
+
+    names = {f.name for f in dataclasses.fields(EngineArgs)} & {a.name for a in ENGINE_ARGS if a.works is not None}
+    return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
 
 
 def engine_args_from(args: argparse.Namespace):
     """The `EngineArgs` the flags name; unset flags keep `EngineArgs`' defaults."""
     from ferrollm.engine.arg_utils import EngineArgs
 
-    names = {f.name for f in dataclasses.fields(EngineArgs)} & {a.name for a in ENGINE_ARGS if a.works is not None}
-    given = {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
-    given["model"] = args.model
-    return EngineArgs(**given)
+    return EngineArgs(**{**given_engine_args(args), "model": args.model})
 
 
 def _serve(args: argparse.Namespace) -> None:
