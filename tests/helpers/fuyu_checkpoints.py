@@ -28,8 +28,8 @@ def fuyu_config(image_token_id: int):
     text = dict(model_type="persimmon", vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                 num_attention_heads=4, max_position_embeddings=512, initializer_range=0.2, qk_layernorm=True,
                 bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
-    # hidden_size at the top level too: transformers before 5.24 sizes vision_embed_tokens from it
-    # (default 4096), later ones from text_config, and hub configs carry it in both places.
+    # hidden_size at the top level too: transformers 5.17 (the H200's) sizes vision_embed_tokens
+    # from it (default 4096), 5.24 from text_config; hub configs carry it in both places.
     config = transformers.FuyuConfig(text_config=text, hidden_size=text["hidden_size"], patch_size=PATCH, num_channels=3,
                                      image_token_id=image_token_id, initializer_range=0.2)
     config.architectures = ["FuyuForCausalLM"]
