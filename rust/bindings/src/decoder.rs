@@ -24,6 +24,7 @@ use ferrollm_kernels::decoder::{
     decode_layers, sample_tokens, DecodeStep, DecoderLayer, DecoderShape, LayerCache, Linear,
 };
 use ferrollm_kernels::gemm_bf16::Bf16Kernel;
+use ferrollm_kernels::openmp;
 use ferrollm_kernels::quant::w8a8::{ActQuant, W8a8Weight};
 use ferrollm_kernels::quant::wq::{QWeight, WqWeight};
 use ferrollm_kernels::quant::{Activations, GgmlType, QuantWeight};
@@ -331,14 +332,29 @@ impl PyCpuDecoder {
         let sample = step.sample.map(|(logits, tokens, uniforms)| {
             (view_mut::<T>(logits), view_mut::<i64>(tokens), uniforms.map(|u| view::<f64>(u)))
         });
+        // One OpenMP region for the whole call: its kernels (~150 on SmolLM2-135M) hand their work
+        // to a team already running instead of each opening a region. Alternating in one process
+        // on the 2-core VM: 0.30 ms less per step on a 30-layer model of tiny weights (1.12 against
+        // 1.42 ms), 0.15 ms of SmolLM2-135M Q4_1's ~7.9 ms.
         py.detach(|| {
-            decode_layers(&layers, final_norm, &mut caches, self.shape, decode, hidden, residual, threads)?;
-            match (sample, head) {
-                (Some((logits, tokens, uniforms)), Some((head, vocab))) => {
-                    sample_tokens(&head, hidden, vocab, logits, uniforms, tokens, threads)
+            openmp::hold(threads, || {
+                decode_layers(
+                    &layers,
+                    final_norm,
+                    &mut caches,
+                    self.shape,
+                    decode,
+                    hidden,
+                    residual,
+                    threads,
+                )?;
+                match (sample, head) {
+                    (Some((logits, tokens, uniforms)), Some((head, vocab))) => {
+                        sample_tokens(&head, hidden, vocab, logits, uniforms, tokens, threads)
+                    }
+                    _ => Ok(()),
                 }
-                _ => Ok(()),
-            }
+            })
         })
         .map_err(kernel_error)
     }

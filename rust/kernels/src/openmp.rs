@@ -17,6 +17,9 @@ use std::sync::OnceLock;
 
 use crate::KernelError;
 
+mod team;
+pub use team::hold;
+
 type GompParallel = unsafe extern "C" fn(extern "C" fn(*mut c_void), *mut c_void, c_uint, c_uint);
 type OmpQuery = unsafe extern "C" fn() -> c_int;
 
@@ -78,7 +81,9 @@ fn open(_path: &str) -> Result<Runtime, String> {
 
 /// Calls `f(thread, team_size)` once on each thread of a team of up to `threads` (the calling
 /// thread is thread 0), returning when all have. `f` must not panic: it runs under a C frame.
+/// Inside [`hold`], the held team runs `f` without opening a region.
 pub fn parallel<F: Fn(usize, usize) + Sync>(threads: usize, f: F) {
+    let Err(f) = team::dispatch(threads, f) else { return };
     match RUNTIME.get() {
         Some(runtime) if threads > 1 => {
             let team = c_uint::try_from(threads).unwrap_or(c_uint::MAX);
