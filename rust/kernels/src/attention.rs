@@ -158,10 +158,11 @@ fn split_context<T: SimdElement, C: SimdElement>(
 /// per head, the pieces' outputs weighted by their share of the head's softmax mass.
 fn merge_pieces<T: SimdElement>(pieces: &[f32], heads: usize, dim: usize, out: &mut [T]) {
     let piece_len = heads * dim + heads;
+    let mut sum = vec![0.0f32; dim];
     for h in 0..heads {
         let log_mass = |p: &[f32]| p[heads * dim + h];
         let top = pieces.chunks_exact(piece_len).map(log_mass).fold(f32::NEG_INFINITY, f32::max);
-        let mut sum = vec![0.0f32; dim];
+        sum.fill(0.0);
         let mut weight = 0.0f32;
         for piece in pieces.chunks_exact(piece_len) {
             let w = (log_mass(piece) - top).exp();
@@ -170,7 +171,7 @@ fn merge_pieces<T: SimdElement>(pieces: &[f32], heads: usize, dim: usize, out: &
                 *s += w * v;
             }
         }
-        for (o, s) in out[h * dim..][..dim].iter_mut().zip(sum) {
+        for (o, s) in out[h * dim..][..dim].iter_mut().zip(&sum) {
             *o = T::from_f32(s / weight);
         }
     }

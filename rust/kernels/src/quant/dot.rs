@@ -52,30 +52,34 @@ impl Isa {
         {
             use std::sync::OnceLock;
             static ISA: OnceLock<Isa> = OnceLock::new();
-            *ISA.get_or_init(|| Isa::available().into_iter().max().unwrap_or(Isa::Portable))
+            *ISA.get_or_init(|| Isa::available().iter().copied().max().unwrap_or(Isa::Portable))
         }
         #[cfg(not(target_arch = "x86_64"))]
         Isa::Portable
     }
 
-    /// Every set this CPU can run.
-    pub fn available() -> Vec<Isa> {
-        let mut sets = vec![Isa::Portable];
-        #[cfg(target_arch = "x86_64")]
-        if crate::simd::has_avx2_fma() && is_x86_feature_detected!("f16c") {
-            sets.push(Isa::Avx2);
-            if is_x86_feature_detected!("avxvnni") {
-                sets.push(Isa::AvxVnni);
+    /// Every set this CPU can run, worst first. Looked up once: every product checks its set
+    /// against this, and building the list each time was a heap allocation per product.
+    pub fn available() -> &'static [Isa] {
+        static SETS: std::sync::OnceLock<Vec<Isa>> = std::sync::OnceLock::new();
+        SETS.get_or_init(|| {
+            let mut sets = vec![Isa::Portable];
+            #[cfg(target_arch = "x86_64")]
+            if crate::simd::has_avx2_fma() && is_x86_feature_detected!("f16c") {
+                sets.push(Isa::Avx2);
+                if is_x86_feature_detected!("avxvnni") {
+                    sets.push(Isa::AvxVnni);
+                }
+                if is_x86_feature_detected!("avx512f")
+                    && is_x86_feature_detected!("avx512bw")
+                    && is_x86_feature_detected!("avx512vl")
+                    && is_x86_feature_detected!("avx512vnni")
+                {
+                    sets.push(Isa::Avx512Vnni);
+                }
             }
-            if is_x86_feature_detected!("avx512f")
-                && is_x86_feature_detected!("avx512bw")
-                && is_x86_feature_detected!("avx512vl")
-                && is_x86_feature_detected!("avx512vnni")
-            {
-                sets.push(Isa::Avx512Vnni);
-            }
-        }
-        sets
+            sets
+        })
     }
 }
 
@@ -232,7 +236,7 @@ mod tests {
 
     #[test]
     fn every_format_on_every_isa_stays_within_the_quantization_bound() {
-        for isa in Isa::available() {
+        for &isa in Isa::available() {
             for t in TYPES {
                 let blocks = if t.block_len() == BLOCK { 28 } else { 4 };
                 check_product::<1>(t, isa, blocks, 1);
@@ -254,7 +258,7 @@ mod tests {
             let rows = [q.row(0), q.row(1)];
             // SAFETY: as above.
             let want = unsafe { rows_dot::<2>(t, Isa::Portable).unwrap()(&row, &rows) };
-            for &isa in &isas {
+            for &isa in isas {
                 let got = unsafe { rows_dot::<2>(t, isa).unwrap()(&row, &rows) };
                 for (g, w) in got.iter().zip(&want) {
                     assert!((g - w).abs() <= 1e-4 * (1.0 + w.abs()), "{t:?} {isa:?}: {g} vs {w}");
