@@ -51,7 +51,7 @@ thread_local! {
     static HELD: Cell<Option<&'static Team>> = const { Cell::new(None) };
 }
 
-/// Runs `f` on the held team if the calling thread leads one (`Some(())`), else gives `f` back.
+/// Runs `f` on the held team if the calling thread leads one (`Ok`), else gives `f` back.
 pub(super) fn dispatch<F: Fn(usize, usize) + Sync>(threads: usize, f: F) -> Result<(), F> {
     match HELD.get() {
         Some(team) => {
@@ -209,7 +209,6 @@ mod tests {
 
     #[test]
     fn every_job_runs_once_on_each_thread_of_its_size() {
-        use std::sync::Mutex;
         let calls = Mutex::new(Vec::new());
         let jobs = held_on_threads(3, || {
             for (job, threads) in [4, 2, 1, 3, 2].into_iter().enumerate() {
