@@ -57,23 +57,24 @@ def add_serve_parser(sub: Any) -> argparse.ArgumentParser:
 def add_engine_args(p: argparse.ArgumentParser, skip: frozenset[str] = frozenset()) -> None:
     """One flag per engine option ferrollm implements (vLLM's names; unset, each is None so
     `EngineArgs` keeps its default), but those named in ``skip``, which the caller defines."""
-    from ferrollm.engine.arg_utils import EngineArgs
-
-    annotations = {f.name: str(f.type) for f in dataclasses.fields(EngineArgs)}
-    works = {a.name: a.default for a in ENGINE_ARGS if a.works is not None}
     engine = p.add_argument_group("engine options (vLLM's EngineArgs; see `LLM`)")
-    for name, annotation in annotations.items():
-        if name in works and name not in skip:
+    for name, (annotation, default) in _implemented_engine_args().items():
+        if name not in skip:
             engine.add_argument("--" + name.replace("_", "-"), dest=name, default=None,
-                                **_flag_type(annotation, works[name]))
+                                **_flag_type(annotation, default))
 
 
 def given_engine_args(args: argparse.Namespace) -> dict[str, Any]:
     """The engine options whose flags were given, by `EngineArgs` field name."""
+    return {n: getattr(args, n) for n in _implemented_engine_args() if getattr(args, n, None) is not None}
+
+
+def _implemented_engine_args() -> dict[str, tuple[str, Any]]:
+    """`EngineArgs` fields that ferrollm implements, in field order: name -> (annotation, default)."""
     from ferrollm.engine.arg_utils import EngineArgs
 
-    names = {f.name for f in dataclasses.fields(EngineArgs)} & {a.name for a in ENGINE_ARGS if a.works is not None}
-    return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
+    works = {a.name: a.default for a in ENGINE_ARGS if a.works is not None}
+    return {f.name: (str(f.type), works[f.name]) for f in dataclasses.fields(EngineArgs) if f.name in works}
 
 
 def engine_args_from(args: argparse.Namespace):
