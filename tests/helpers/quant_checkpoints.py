@@ -151,7 +151,7 @@ def _quantize_groups(w: np.ndarray, bits: int, group_size: int, g_idx: np.ndarra
     """Per-group scales and zero points of ``w`` ``[out, in]`` (columns grouped by ``g_idx``)
     and the unsigned values: ``q = clamp(round(w / s) + z, 0, 2^bits - 1)``."""
     out_features, in_features = w.shape
-    num_groups = in_features // group_size
+    num_groups = -(-in_features // group_size)  # a last group cut short, as GPTQ tools write it
     qmax = (1 << bits) - 1
     scales = np.zeros((num_groups, out_features), np.float32)
     zeros = np.zeros((num_groups, out_features), np.int64)

@@ -24,6 +24,7 @@ from helpers.quant_checkpoints import reference_model, write_awq, write_fp8, wri
 from ferrollm.exceptions import CheckpointError, ConfigError
 from ferrollm.kernels.cpu.gguf import interleave_preferred
 from ferrollm.model_executor.layers.quantization import int_blocks, resolve_quantization
+from ferrollm.model_executor.layers.quantization import qweights as qw
 from ferrollm.model_executor.layers.quantization.dynamic_int import quantize_int8_rows, quantize_rtn
 from ferrollm.model_executor.layers.quantization.forms import QuantizedLinear
 from ferrollm.model_executor.layers.quantization.fp8 import quantize_fp8
@@ -86,7 +87,10 @@ def _quantize_inputs(model, how: str, static_scale: float | None = None, group: 
             module.register_forward_pre_hook(hook)
 
 
-@pytest.mark.parametrize("bits,group,desc_act", [(4, 32, False), (4, 32, True), (8, 32, False), (4, -1, False), (8, 64, True)])
+# Groups of 96 end short of the MLP's 128 inputs (and span the whole of the attention's 64), as
+# GPTQ tools write groups of 128 over SmolLM2's 576: the layers run them as groups of 32.
+@pytest.mark.parametrize("bits,group,desc_act", [(4, 32, False), (4, 32, True), (8, 32, False), (4, -1, False),
+                                                 (8, 64, True), (4, 96, False), (4, 96, True)])
 def test_gptq(tmp_path, bits, group, desc_act):
     model = _float_model()
     weights = write_gptq(model, tmp_path, bits=bits, group_size=group, desc_act=desc_act)
@@ -109,10 +113,21 @@ def test_gptq_marlin_name_runs_as_gptq_and_other_names_are_refused(tmp_path):
         resolve_quantization(config, "awq", False)
 
 
-def test_awq(tmp_path):
+@pytest.mark.parametrize("group", [32, 96])
+def test_awq(tmp_path, group):
     model = _float_model()
-    weights = write_awq(model, tmp_path, group_size=32)
+    weights = write_awq(model, tmp_path, group_size=group)
     _check(_load(tmp_path), reference_model(model, weights), atol=1e-4)
+
+
+def test_groups_ending_short_run_as_their_common_size_or_are_refused_at_load():
+    q = torch.randint(0, 16, (8, 576), dtype=torch.uint8)
+    scales, mins = torch.rand(8, 5), torch.rand(8, 5)
+    regrouped = qw.IntWeight(q, scales, mins, 4, 128).in_whole_groups()
+    assert regrouped.group_size == 64 and regrouped.scales.shape == (8, 9)
+    torch.testing.assert_close(regrouped.dequantize(), qw.IntWeight(q, scales, mins, 4, 128).dequantize(), rtol=0, atol=0)
+    with pytest.raises(CheckpointError, match=r"group_size \(48\) neither divides its in_features \(72\).*is 24"):
+        qw.IntWeight(q[:, :72], scales[:, :2], None, 4, 48).in_whole_groups()
 
 
 @pytest.mark.parametrize("kind", ["dynamic", "static", "block"])

@@ -145,16 +145,18 @@ def act_order(weight: qw.IntWeight, g_idx: torch.Tensor) -> qw.IntWeight:
     product then reads ``x[:, perm]``. In-order ``g_idx`` (no act-order) changes nothing.
 
     Raises:
-        CheckpointError: a group with other than ``group_size`` columns.
+        CheckpointError: a group other than the last with other than ``group_size`` columns (the
+            last one may end short, where ``group_size`` does not divide the inputs).
     """
     g_idx = g_idx.to(torch.int64)
-    in_features = weight.q.shape[1]
-    if torch.equal(g_idx, torch.arange(in_features) // weight.group_size):
+    in_features, g = weight.q.shape[1], weight.group_size
+    if torch.equal(g_idx, torch.arange(in_features) // g):
         return weight
     counts = torch.bincount(g_idx, minlength=weight.scales.shape[1])
-    if (counts != weight.group_size).any():
+    if (counts != torch.bincount(torch.arange(in_features) // g, minlength=len(counts))).any():
         raise CheckpointError(f"act-order g_idx gives groups of {sorted(set(counts.tolist()))} columns; "
-                              f"each group must have group_size ({weight.group_size})")
+                              f"each group must have group_size ({g}), the last one what is left of "
+                              f"in_features ({in_features})")
     perm = torch.argsort(g_idx, stable=True)
     return qw.IntWeight(weight.q[:, perm].contiguous(), weight.scales, weight.mins, weight.bits,
                         weight.group_size, perm)

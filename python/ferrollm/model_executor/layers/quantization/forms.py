@@ -58,6 +58,8 @@ class QuantizedLinear:
                 self._prepare_parts(runs)
                 return
             w = self.source = qw.cat(runs[0])
+        if isinstance(w, qw.IntWeight):
+            w = self.source = w.in_whole_groups()
         # Symmetric weight-only int4/int8 rows as Q4_0/Q8_0 blocks where the CPU runs those
         # faster (`int_blocks`); their group size, to give them back in their own form on saving.
         self.int_group: int | None = None

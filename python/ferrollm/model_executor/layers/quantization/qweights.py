@@ -107,6 +107,30 @@ class IntWeight(_Rows):
         return dataclasses.replace(self, q=self.q.narrow(1, start, length),
                                    scales=self.scales.narrow(1, start // g, -(-length // g)), mins=mins)
 
+    def in_whole_groups(self) -> IntWeight:
+        """The same weight with groups that divide its inputs, as the kernels take them.
+
+        GPTQ tools quantize any width: groups of 128 over SmolLM2's 576 inputs leave a last group
+        of 64 (the file's ``scales`` have 5 columns). Such a weight becomes groups of
+        ``gcd(group_size, in_features)`` (64 there; the whole row where it is shorter than one
+        group), each group's scale and min repeated over its pieces: the same values, exactly.
+
+        Raises:
+            CheckpointError: that common size is not one the kernels take (16 or a multiple of 32).
+        """
+        k, g = self.shape[1], self.group_size
+        if k % g == 0:
+            return self
+        unit = k if k < g else math.gcd(g, k)
+        if unit != k and unit != 16 and unit % 32:
+            raise CheckpointError(
+                f"a quantized weight's group_size ({g}) neither divides its in_features ({k}) nor "
+                f"shares with it a group size the kernels take (16 or a multiple of 32; the largest "
+                f"common one is {unit})")
+        pieces = lambda t: t.repeat_interleave(g // unit, dim=1)[:, :k // unit].contiguous()  # noqa: E731
+        return dataclasses.replace(self, scales=pieces(self.scales),
+                                   mins=None if self.mins is None else pieces(self.mins), group_size=unit)
+
     def dequantize(self) -> torch.Tensor:
         """The float32 weight in checkpoint column order (reference and saving)."""
         expand = lambda t: t.repeat_interleave(self.group_size, dim=1)[:, :self.shape[1]]  # noqa: E731
