@@ -15,6 +15,8 @@ element of a 32-element block): BLOCKS_LOGITS_TOL (GPTQ, up to 1.1e-3 measured).
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import transformers
@@ -117,6 +119,17 @@ def test_gptq_marlin_name_runs_as_gptq_and_other_names_are_refused(tmp_path):
 def test_awq(tmp_path, group):
     model = _float_model()
     weights = write_awq(model, tmp_path, group_size=group)
+    _check(_load(tmp_path), reference_model(model, weights), atol=1e-4)
+
+
+def test_awq_zero_point_false_with_qzeros_reads_them(tmp_path):
+    # gptqmodel writes `zero_point: false` beside qzeros (all 8 for its symmetric AWQ): vLLM's
+    # kernels read them, and so does the loader.
+    model = _float_model()
+    weights = write_awq(model, tmp_path, group_size=32)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["quantization_config"]["zero_point"] = False
+    (tmp_path / "config.json").write_text(json.dumps(config))
     _check(_load(tmp_path), reference_model(model, weights), atol=1e-4)
 
 

@@ -123,7 +123,9 @@ class AWQConfig(QuantizationConfig):
 class _AWQMethod(LinearQuantMethod):
     def __init__(self, config: AWQConfig):
         self.config = config
-        super().__init__(("qweight", "qzeros", "scales") if config.zero_point else ("qweight", "scales"))
+        # `zero_point: false` files may still carry `qzeros` (gptqmodel writes them, all 8 for
+        # its symmetric AWQ); where they do, they are what the file's weights are relative to.
+        super().__init__(("qweight", "qzeros", "scales"), optional=() if config.zero_point else ("qzeros",))
 
     def make(self, pieces: dict[str, torch.Tensor]) -> qw.QuantizedWeight:
         scales = pieces["scales"].t()  # [out, groups]
