@@ -3,7 +3,7 @@
 # benchmark checkpoint to an f32 GGUF for llama.cpp. Idempotent: a step whose result is already
 # there is skipped, so a second run costs seconds.
 #
-#   bash benches/peers/setup.sh [vllm] [llamacpp] [gguf]     (no argument: all three)
+#   bash benches/peers/setup.sh [vllm] [llamacpp] [gguf] [gptq]   (no argument: the first three)
 #
 # Environment: BENCH_DIR (default <repo>/.bench), PYTHON (default python3, 3.10-3.12),
 # LLAMA_CPP_PYTHON_VERSION (default 0.3.36).
@@ -14,6 +14,7 @@
 #   .bench/src/               the llama-cpp-python sdist and its unpacked tree (the converter)
 #   .bench/qwen2-0.5b/        the benchmark checkpoint (benches/make_checkpoint.py)
 #   .bench/qwen2-0.5b-f32.gguf  the same weights for llama.cpp
+#   .bench/venv-gptq          gptqmodel (GPTQ/AWQ writer and reader) over .venv's torch and ferrollm
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
@@ -152,6 +153,27 @@ convert_gguf() {
     mv "$GGUF.tmp" "$GGUF"
 }
 
+# gptqmodel writes and reads GPTQ and AWQ files on the CPU (benches/gptq_crosscheck.py). It needs
+# torch and transformers as recent as .venv's, so its venv sees .venv's packages and the repo's
+# ferrollm (a .pth file) rather than downloading torch again; pip then adds only gptqmodel's own
+# dependencies (datasets, pyarrow, torchao, ...: ~350 MB).
+GPTQMODEL_VERSION=7.7.0
+setup_gptq() {
+    local venv="$BENCH/venv-gptq"
+    if [ -x "$venv/bin/python" ] && "$venv/bin/python" -c "import gptqmodel, ferrollm._core" 2>/dev/null; then
+        log "gptq: already installed in $venv"
+        return
+    fi
+    [ -x "$REPO/.venv/bin/python" ] || { echo "gptq: run 'make develop' first (.venv)" >&2; exit 2; }
+    log "gptq: installing gptqmodel==$GPTQMODEL_VERSION into $venv"
+    make_venv "$venv"
+    local site
+    site="$("$REPO/.venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+    printf '%s\n%s\n' "$site" "$REPO/python" > "$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/ferrollm-venv.pth"
+    "$venv/bin/pip" install -q "gptqmodel==$GPTQMODEL_VERSION"
+    "$venv/bin/python" -c "import gptqmodel, ferrollm._core; print('gptqmodel', gptqmodel.__version__)"
+}
+
 main() {
     local steps=("$@")
     [ ${#steps[@]} -gt 0 ] || steps=(vllm llamacpp gguf)
@@ -162,7 +184,8 @@ main() {
             vllm) setup_vllm ;;
             llamacpp) setup_llamacpp ;;
             gguf) convert_gguf ;;
-            *) echo "unknown step: $step (vllm, llamacpp, gguf)" >&2; exit 2 ;;
+            gptq) setup_gptq ;;
+            *) echo "unknown step: $step (vllm, llamacpp, gguf, gptq)" >&2; exit 2 ;;
         esac
     done
     log "done in $((SECONDS - start)) s"
