@@ -8,10 +8,10 @@ heavy for `make test` (datasets, pyarrow, torchao), so it lives in its own envir
     .bench/venv-gptq/bin/python benches/gptq_crosscheck.py [--variants gptq-4b-g128,...]
 
 For each variant, SmolLM2-135M-Instruct (the GGUF `make run` uses, read by transformers into
-float32) is quantized by gptqmodel on a few calibration sentences (~3 min each on 2 cores; the
-files are kept under .bench/ and reused). Then, for each file:
+float32) is quantized by gptqmodel on a few calibration sentences (2-3 min a GPTQ variant on 2
+cores, ~19 min the AWQ one; the files are kept under .bench/ and reused). Then, for each file:
 
-- reference: gptqmodel loads the file and unpacks every quantized layer (`dequantize_weight`,
+- reference: gptqmodel loads the file and unpacks every quantized layer (`unpacked_weight`,
   scales widened to float32 first) into a float32 transformers model beside the file's other
   tensors; its greedy continuation of each prompt is the reference;
 - ferrollm: `LLM(model=file, dtype="float32")`, greedy: the tokens must be the reference's
