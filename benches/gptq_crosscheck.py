@@ -214,6 +214,8 @@ def main() -> int:
     args = ap.parse_args()
     from transformers import AutoTokenizer
 
+    BENCH.mkdir(exist_ok=True)
+    os.chdir(BENCH)  # gptqmodel writes its quantization logs under ./logs
     source = float_model()
     tokenizer = AutoTokenizer.from_pretrained(source)
     results = {}
