@@ -117,9 +117,9 @@ def gptqmodel_model(path: Path, unpacked: bool):
     for name, module in model.named_modules():
         if isinstance(module, BaseQuantLinear):
             state[f"{name}.weight"] = unpacked_weight(module).T.float().contiguous()
-    quantized = {name.rsplit(".", 1)[0] for name in state}
+    layers = {name.rsplit(".", 1)[0] for name in state}
     for file in path.glob("*.safetensors"):
-        state.update({k: v.float() for k, v in load_file(file).items() if k.rsplit(".", 1)[0] not in quantized})
+        state.update({k: v.float() for k, v in load_file(file).items() if k.rsplit(".", 1)[0] not in layers})
     config = model.config
     del config.quantization_config
     fresh = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -212,6 +212,10 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=24, help="greedy tokens per prompt")
     ap.add_argument("--tolerance", type=float, default=0.02, help="max |Δ logprob| in nats, float32 runs")
     args = ap.parse_args()
+    names = args.variants.split(",")
+    unknown = [n for n in names if n not in VARIANTS]
+    if unknown:
+        ap.error(f"--variants: unknown {unknown}; choose from {', '.join(VARIANTS)}")
     from transformers import AutoTokenizer
 
     BENCH.mkdir(exist_ok=True)
@@ -219,9 +223,7 @@ def main() -> int:
     source = float_model()
     tokenizer = AutoTokenizer.from_pretrained(source)
     results = {}
-    for name in args.variants.split(","):
-        if name not in VARIANTS:
-            ap.error(f"--variants: unknown {name!r}; choose from {', '.join(VARIANTS)}")
+    for name in names:
         results[name] = check(name, quantized(name, source), tokenizer, args.tokens, args.tolerance)
     print("all PASS" if all(results.values()) else f"FAIL: {[n for n, ok in results.items() if not ok]}")
     return 0 if all(results.values()) else 1
