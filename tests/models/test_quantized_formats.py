@@ -136,9 +136,10 @@ def test_awq_zero_point_false_with_qzeros_reads_them(tmp_path):
 def test_groups_ending_short_run_as_their_common_size_or_are_refused_at_load():
     q = torch.randint(0, 16, (8, 576), dtype=torch.uint8)
     scales, mins = torch.rand(8, 5), torch.rand(8, 5)
-    regrouped = qw.IntWeight(q, scales, mins, 4, 128).in_whole_groups()
+    weight = qw.IntWeight(q, scales, mins, 4, 128)
+    regrouped = weight.in_whole_groups()
     assert regrouped.group_size == 64 and regrouped.scales.shape == (8, 9)
-    torch.testing.assert_close(regrouped.dequantize(), qw.IntWeight(q, scales, mins, 4, 128).dequantize(), rtol=0, atol=0)
+    torch.testing.assert_close(regrouped.dequantize(), weight.dequantize(), rtol=0, atol=0)
     with pytest.raises(CheckpointError, match=r"group_size \(48\) neither divides its in_features \(72\).*is 24"):
         qw.IntWeight(q[:, :72], scales[:, :2], None, 4, 48).in_whole_groups()
 

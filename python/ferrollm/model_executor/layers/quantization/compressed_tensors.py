@@ -150,10 +150,11 @@ def act_order(weight: qw.IntWeight, g_idx: torch.Tensor) -> qw.IntWeight:
     """
     g_idx = g_idx.to(torch.int64)
     in_features, g = weight.q.shape[1], weight.group_size
-    if torch.equal(g_idx, torch.arange(in_features) // g):
+    in_order = torch.arange(in_features) // g
+    if torch.equal(g_idx, in_order):
         return weight
     counts = torch.bincount(g_idx, minlength=weight.scales.shape[1])
-    if (counts != torch.bincount(torch.arange(in_features) // g, minlength=len(counts))).any():
+    if (counts != torch.bincount(in_order, minlength=len(counts))).any():
         raise CheckpointError(f"act-order g_idx gives groups of {sorted(set(counts.tolist()))} columns; "
                               f"each group must have group_size ({g}), the last one what is left of "
                               f"in_features ({in_features})")
